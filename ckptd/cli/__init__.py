@@ -1,0 +1,1 @@
+"""Command-line tools: ckptctl (and, later, ckptd serve)."""

@@ -1,0 +1,86 @@
+"""Every error ckptd raises, one tree.
+
+    CkptError
+    ├── CheckpointNotFound(FileNotFoundError)   no committed checkpoint / no such step
+    ├── CheckpointExists(FileExistsError)       the step is already committed
+    ├── CorruptCheckpoint                       storage disagrees with what was committed
+    │   ├── ShardMissing(FileNotFoundError)
+    │   ├── ShardSizeMismatch
+    │   ├── HashMismatch
+    │   └── InvalidManifest(ValueError)         manifest or shard index unreadable / unsafe
+    ├── UnsafePath(PermissionError)             a path escapes the checkpoint directory
+    ├── UnsupportedValue(TypeError)             a state value ckptd refuses to store
+    ├── StateMismatch(KeyError)                 load target and checkpoint disagree
+    └── StorageError(OSError)                   an I/O call failed while saving or loading
+
+Messages name the job path, step, rank, shard file and key involved, and say what to do.
+Translate foreign exceptions only at boundaries (storage calls, JSON parsing).
+"""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """Root of every ckptd error."""
+
+
+class CheckpointNotFound(CkptError, FileNotFoundError):
+    pass
+
+
+class CheckpointExists(CkptError, FileExistsError):
+    pass
+
+
+class CorruptCheckpoint(CkptError):
+    """The bytes in storage are not what the manifest committed."""
+
+
+class ShardMissing(CorruptCheckpoint, FileNotFoundError):
+    pass
+
+
+class ShardSizeMismatch(CorruptCheckpoint):
+    pass
+
+
+class HashMismatch(CorruptCheckpoint):
+    pass
+
+
+class InvalidManifest(CorruptCheckpoint, ValueError):
+    pass
+
+
+class UnsafePath(CkptError, PermissionError):
+    pass
+
+
+class UnsupportedValue(CkptError, TypeError):
+    pass
+
+
+class StateMismatch(CkptError, KeyError):
+    # KeyError's str() quotes its argument; keep messages readable.
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class StorageError(CkptError, OSError):
+    pass
+
+
+__all__ = [
+    "CkptError",
+    "CheckpointNotFound",
+    "CheckpointExists",
+    "CorruptCheckpoint",
+    "ShardMissing",
+    "ShardSizeMismatch",
+    "HashMismatch",
+    "InvalidManifest",
+    "UnsafePath",
+    "UnsupportedValue",
+    "StateMismatch",
+    "StorageError",
+]

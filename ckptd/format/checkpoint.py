@@ -1,0 +1,299 @@
+"""A job directory as a set of steps: list, open, commit, verify, remove.
+
+Storage alone describes every checkpoint (promise 6): a step is committed exactly when
+its MANIFEST.json exists and parses; everything else in a step directory is either part
+of a committed step or debris of a save that never committed. Opening a step checks the
+manifest, every index against the digest the manifest holds, and every shard's size,
+before a single tensor byte is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from ckptd import knobs
+from ckptd.errors import (
+    CheckpointExists,
+    CheckpointNotFound,
+    CkptError,
+    CorruptCheckpoint,
+    InvalidManifest,
+    ShardMissing,
+    ShardSizeMismatch,
+)
+from ckptd.format import hashing, layout, values
+from ckptd.format.manifest import (
+    IndexEntry,
+    Manifest,
+    ShardIndex,
+    ShardInfo,
+    parse_index,
+    parse_manifest,
+)
+from ckptd.format.reader import verify_entries
+from ckptd.storage.base import Storage
+
+COMMITTED = "COMMITTED"
+INCOMPLETE = "INCOMPLETE"  # a step directory without a manifest: an unfinished save
+INVALID = "INVALID"  # a manifest that does not parse
+
+
+@dataclasses.dataclass
+class StepInfo:
+    step: int
+    status: str
+    manifest: Manifest | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class Chunk:
+    shard: ShardInfo
+    entry: IndexEntry
+
+
+@dataclasses.dataclass
+class OpenCheckpoint:
+    """A committed step whose manifest, indexes and shard sizes have been checked."""
+
+    storage: Storage
+    manifest: Manifest
+    indexes: list[ShardIndex]
+    chunks: dict[str, list[Chunk]]
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def step_dir(self) -> str:
+        return layout.step_dir(self.manifest.step)
+
+    def shard_path(self, shard: ShardInfo) -> str:
+        return f"{self.step_dir}/{shard.path}"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.manifest.shards)
+
+
+def _where(storage: Storage, step: int, name: str = "") -> str:
+    base = f"{storage.url}/{layout.step_dir(step)}"
+    return f"{base}/{name}" if name else base
+
+
+def list_steps(storage: Storage) -> list[StepInfo]:
+    out = []
+    for name in storage.listdir(""):
+        step = layout.parse_step_dir(name)
+        if step is None:
+            continue
+        mpath = f"{name}/{layout.MANIFEST_NAME}"
+        if not storage.exists(mpath):
+            out.append(
+                StepInfo(step, INCOMPLETE, error="no MANIFEST.json (the save never committed)")
+            )
+            continue
+        try:
+            out.append(StepInfo(step, COMMITTED, manifest=read_manifest(storage, step)))
+        except CkptError as e:
+            out.append(StepInfo(step, INVALID, error=str(e)))
+    return sorted(out, key=lambda s: s.step)
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
+    path = f"{layout.step_dir(step)}/{layout.MANIFEST_NAME}"
+    try:
+        data = storage.read_bytes(path, limit=knobs.get().max_manifest_bytes)
+    except ShardMissing:
+        raise CheckpointNotFound(
+            f"{_where(storage, step)} has no committed checkpoint (no {layout.MANIFEST_NAME})"
+        ) from None
+    m = parse_manifest(data, what=_where(storage, step, layout.MANIFEST_NAME))
+    if m.step != step:
+        raise InvalidManifest(
+            f"{_where(storage, step, layout.MANIFEST_NAME)} says step {m.step}; "
+            "it was copied from another step directory"
+        )
+    return m
+
+
+def latest_step(storage: Storage) -> int | None:
+    """The newest step whose manifest parses, or None."""
+    committed = [s.step for s in list_steps(storage) if s.status == COMMITTED]
+    return committed[-1] if committed else None
+
+
+def resolve_step(storage: Storage, step: int | None) -> int:
+    if step is not None:
+        return layout.check_step(step)
+    steps = list_steps(storage)
+    committed = [s.step for s in steps if s.status == COMMITTED]
+    if committed:
+        return committed[-1]
+    if steps:
+        detail = "; ".join(f"step {s.step}: {s.status.lower()} ({s.error})" for s in steps[-5:])
+        raise CheckpointNotFound(
+            f"{storage.url} has step directories but no committed checkpoint: {detail}. "
+            "Nothing was loaded; check the job's logs for the failed saves"
+        )
+    raise CheckpointNotFound(f"{storage.url} holds no checkpoints (no step-* directories)")
+
+
+def open_checkpoint(storage: Storage, step: int | None = None) -> OpenCheckpoint:
+    """Open the given (or newest committed) step, checking indexes and shard sizes."""
+    step = resolve_step(storage, step)
+    m = read_manifest(storage, step)
+    k = knobs.get()
+    indexes: list[ShardIndex] = []
+    chunks: dict[str, list[Chunk]] = {}
+    for shard in m.shards:
+        index = read_index(storage, m, shard, max_entries=k.max_entries_per_shard)
+        check_shard_size(storage, m, shard)
+        indexes.append(index)
+        for e in index.entries:
+            chunks.setdefault(e.key, []).append(Chunk(shard, e))
+    for tag, key in values.tensor_refs(m.state):
+        if key not in chunks:
+            raise InvalidManifest(
+                f"{_where(storage, step, layout.MANIFEST_NAME)}: state refers to {tag} {key!r} "
+                "which no shard index holds"
+            )
+    return OpenCheckpoint(storage, m, indexes, chunks)
+
+
+def read_index(storage: Storage, m: Manifest, shard: ShardInfo, *, max_entries: int) -> ShardIndex:
+    path = f"{layout.step_dir(m.step)}/{shard.index}"
+    where = _where(storage, m.step, shard.index)
+    try:
+        data = storage.read_bytes(path, limit=min(shard.index_size, knobs.get().max_index_bytes))
+    except ShardMissing:
+        raise ShardMissing(
+            f"{where} (index of rank {shard.rank}) is missing; step {m.step} is incomplete: "
+            "verify with `ckptctl verify` and load an earlier step"
+        ) from None
+    except InvalidManifest:
+        raise CorruptCheckpoint(
+            f"{where} (index of rank {shard.rank}) is larger than the manifest records "
+            f"({shard.index_size} bytes): it was replaced or appended to"
+        ) from None
+    if len(data) != shard.index_size or hashing.digest(data) != shard.index_blake3:
+        raise CorruptCheckpoint(
+            f"{where} (index of rank {shard.rank}) does not match the blake3 in the manifest: "
+            "it was modified or comes from another step"
+        )
+    return parse_index(data, manifest=m, shard=shard, max_entries=max_entries, what=where)
+
+
+def check_shard_size(storage: Storage, m: Manifest, shard: ShardInfo) -> None:
+    path = f"{layout.step_dir(m.step)}/{shard.path}"
+    where = _where(storage, m.step, shard.path)
+    try:
+        size = storage.size(path)
+    except ShardMissing as e:
+        raise ShardMissing(
+            f"{where} (rank {shard.rank} of step {m.step}) is missing: {e}"
+        ) from None
+    if size != shard.size:
+        raise ShardSizeMismatch(
+            f"{where} (rank {shard.rank} of step {m.step}) is {size} bytes, the manifest says "
+            f"{shard.size}: truncated or overwritten; load an earlier step"
+        )
+
+
+def begin_step(storage: Storage, step: int) -> None:
+    """Prepare a step directory for a new save; refuse to touch a committed one."""
+    sdir = layout.step_dir(step)
+    if storage.exists(f"{sdir}/{layout.MANIFEST_NAME}"):
+        raise CheckpointExists(
+            f"{storage.url}/{sdir} is already committed; save under a new step, "
+            "or remove it first (ckptctl gc)"
+        )
+    if storage.exists(sdir):
+        storage.remove_tree(sdir)  # debris of an earlier save of this step that never committed
+    storage.makedirs(f"{sdir}/{layout.SHARDS_DIR}")
+
+
+def commit(storage: Storage, m: Manifest) -> bytes:
+    """Check every shard's presence and size, then write the manifest: the commit point."""
+    for shard in m.shards:
+        check_shard_size(storage, m, shard)
+        ipath = f"{layout.step_dir(m.step)}/{shard.index}"
+        if storage.size(ipath) != shard.index_size:
+            raise ShardSizeMismatch(
+                f"{_where(storage, m.step, shard.index)} changed after it was reported"
+            )
+    if sorted(s.rank for s in m.shards) != list(range(m.world_size)):
+        raise CorruptCheckpoint(
+            f"step {m.step}: shards of ranks {sorted(s.rank for s in m.shards)} reported, "
+            f"world size is {m.world_size}; refusing to commit"
+        )
+    data = m.to_bytes()
+    storage.write_atomic(f"{layout.step_dir(m.step)}/{layout.MANIFEST_NAME}", data)
+    return data
+
+
+def remove_step(storage: Storage, step: int) -> None:
+    """Un-publish (manifest first, so a crash leaves debris, never a half checkpoint), then delete."""
+    sdir = layout.step_dir(step)
+    storage.remove_tree(f"{sdir}/{layout.MANIFEST_NAME}")
+    storage.remove_tree(sdir)
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    step: int
+    level: str
+    bytes_checked: int = 0
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_checkpoint(
+    storage: Storage,
+    step: int,
+    *,
+    level: str = "full",
+    progress: Callable[[int], None] | None = None,
+    threads: int | None = None,
+) -> VerifyReport:
+    """Check one committed step; every problem found is reported, not just the first."""
+    if level not in ("full", "size"):
+        raise ValueError(f"level must be 'full' or 'size', got {level!r}")
+    report = VerifyReport(step, level)
+    try:
+        m = read_manifest(storage, step)
+    except CkptError as e:
+        report.problems.append(str(e))
+        return report
+    k = knobs.get()
+    keys: set[str] = set()
+    for shard in m.shards:
+        try:
+            index = read_index(storage, m, shard, max_entries=k.max_entries_per_shard)
+            keys.update(e.key for e in index.entries)
+            check_shard_size(storage, m, shard)
+        except CkptError as e:
+            report.problems.append(str(e))
+            continue
+        if level == "full":
+            problems = verify_entries(
+                storage,
+                f"{layout.step_dir(step)}/{shard.path}",
+                index.entries,
+                m.block_size,
+                threads=threads,
+                progress=progress,
+            )
+            report.problems.extend(f"rank {shard.rank}: {p}" for p in problems)
+        report.bytes_checked += shard.size
+    for tag, key in values.tensor_refs(m.state):
+        if key not in keys and not report.problems:
+            report.problems.append(
+                f"step {step}: state refers to {tag} {key!r} which no shard holds"
+            )
+    return report

@@ -1,0 +1,393 @@
+"""Manifest and shard index: JSON, versioned, parsed defensively.
+
+The manifest is the commit point of a step: it exists only once every shard is durable
+and verified. It names each shard with its size and the blake3 of its index, so a shard
+index from another step, or a consistent rewrite of a shard and its index, is detected.
+
+Parsing never trusts storage: sizes are limited before reading, every field is
+type-checked, shape products are bounded and must equal byte lengths, entries must be
+aligned, in bounds and non-overlapping, and paths must stay inside the step directory.
+All of this happens before any tensor memory is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from typing import Any
+
+from ckptd.errors import CkptError, InvalidManifest
+from ckptd.format import dtypes, hashing, layout, values
+
+FORMAT_NAME = "ckptd"
+INDEX_FORMAT_NAME = "ckptd-shard-index"
+FORMAT_VERSION = 1
+MAX_DIMS = 64
+MAX_KEY_LEN = 4096
+MAX_ELEMENTS = 1 << 62
+
+
+@dataclasses.dataclass
+class IndexEntry:
+    """One tensor chunk in a shard file."""
+
+    key: str
+    dtype: str
+    shape: list[int]  # global shape of the tensor
+    chunk_offsets: list[int]  # where this chunk starts in the global tensor
+    chunk_sizes: list[int]  # the chunk's own shape
+    offset: int  # byte offset in the shard file (aligned)
+    length: int  # byte length
+    blake3: list[str]  # one digest per block of `block_size`, relative to `offset`
+    file: str = ""  # shard path relative to the step directory
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "dtype": self.dtype,
+            "shape": self.shape,
+            "chunk_offsets": self.chunk_offsets,
+            "chunk_sizes": self.chunk_sizes,
+            "file": self.file,
+            "offset": self.offset,
+            "length": self.length,
+            "blake3": self.blake3,
+        }
+
+    @property
+    def is_full(self) -> bool:
+        return self.chunk_sizes == self.shape and not any(self.chunk_offsets)
+
+
+@dataclasses.dataclass
+class ShardIndex:
+    job: str
+    step: int
+    generation: int
+    rank: int
+    world_size: int
+    shard: str
+    shard_size: int
+    block_size: int
+    alignment: int
+    entries: list[IndexEntry]
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": INDEX_FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "job": self.job,
+            "step": self.step,
+            "generation": self.generation,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "shard": self.shard,
+            "shard_size": self.shard_size,
+            "block_size": self.block_size,
+            "alignment": self.alignment,
+            "hash": hashing.HASH_NAME,
+            "entries": [e.to_json() for e in self.entries],
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+@dataclasses.dataclass
+class ShardInfo:
+    rank: int
+    path: str
+    size: int
+    index: str
+    index_size: int
+    index_blake3: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Manifest:
+    job: str
+    step: int
+    generation: int
+    world_size: int
+    block_size: int
+    alignment: int
+    shards: list[ShardInfo]
+    state: Any  # node tree (ckptd.format.values)
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    created_unix: float = dataclasses.field(default_factory=time.time)
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "job": self.job,
+            "step": self.step,
+            "generation": self.generation,
+            "world_size": self.world_size,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created_unix)),
+            "created_unix": self.created_unix,
+            "block_size": self.block_size,
+            "alignment": self.alignment,
+            "hash": hashing.HASH_NAME,
+            "metadata": self.metadata,
+            "shards": [s.to_json() for s in self.shards],
+            "state": self.state,
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _loads(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data, parse_constant=_reject_constant)
+    except RecursionError:
+        raise InvalidManifest(f"{what}: JSON nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidManifest(f"{what}: not valid JSON ({e})") from None
+
+
+def _field(doc: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if name not in doc:
+        raise InvalidManifest(f"{what}: missing field {name!r}")
+    v = doc[name]
+    if (
+        isinstance(v, bool)
+        and kind is not bool
+        and bool not in (kind if isinstance(kind, tuple) else (kind,))
+    ):
+        raise InvalidManifest(f"{what}: field {name!r} must be {_kind_name(kind)}, got a bool")
+    if not isinstance(v, kind):
+        raise InvalidManifest(
+            f"{what}: field {name!r} must be {_kind_name(kind)}, got {type(v).__name__}"
+        )
+    return v
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(k.__name__ for k in kind)
+    return kind.__name__
+
+
+def _nonneg(doc: dict[str, Any], name: str, what: str, upper: int = 1 << 63) -> int:
+    v = _field(doc, name, int, what)
+    if not 0 <= v < upper:
+        raise InvalidManifest(f"{what}: field {name!r}={v} out of range [0, {upper})")
+    return int(v)
+
+
+def _int_list(v: Any, name: str, what: str) -> list[int]:
+    if not isinstance(v, list) or len(v) > MAX_DIMS:
+        raise InvalidManifest(f"{what}: {name} must be a list of at most {MAX_DIMS} integers")
+    for x in v:
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < (1 << 62):
+            raise InvalidManifest(f"{what}: {name} has an invalid dimension {x!r}")
+    return list(v)
+
+
+def _check_header(doc: Any, fmt: str, what: str) -> dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise InvalidManifest(f"{what}: top level must be a JSON object")
+    if doc.get("format") != fmt:
+        raise InvalidManifest(f"{what}: not a {fmt} file (format={doc.get('format')!r})")
+    version = doc.get("version")
+    if version != FORMAT_VERSION:
+        raise InvalidManifest(
+            f"{what}: format version {version!r} is not supported by this ckptd "
+            f"(it reads version {FORMAT_VERSION}); upgrade ckptd to read it"
+        )
+    if doc.get("hash", hashing.HASH_NAME) != hashing.HASH_NAME:
+        raise InvalidManifest(f"{what}: unknown hash {doc.get('hash')!r}")
+    return doc
+
+
+def _check_block_size(doc: dict[str, Any], what: str) -> tuple[int, int]:
+    block = _nonneg(doc, "block_size", what)
+    align = _nonneg(doc, "alignment", what)
+    if block < 4096 or block > (1 << 34) or align < 1 or align > (1 << 24) or align & (align - 1):
+        raise InvalidManifest(f"{what}: block_size {block} / alignment {align} out of range")
+    return block, align
+
+
+def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:
+    doc = _check_header(_loads(data, what), FORMAT_NAME, what)
+    try:
+        step = layout.check_step(doc.get("step"))
+    except ValueError as e:
+        raise InvalidManifest(f"{what}: {e}") from None
+    what = f"{what} (step {step})"
+    job = _field(doc, "job", str, what)
+    generation = _nonneg(doc, "generation", what)
+    world_size = _nonneg(doc, "world_size", what, upper=layout.MAX_RANK + 2)
+    if world_size < 1:
+        raise InvalidManifest(f"{what}: world_size must be at least 1")
+    block, align = _check_block_size(doc, what)
+    created = _field(doc, "created_unix", (int, float), what)
+    metadata = _field(doc, "metadata", dict, what)
+    shards_doc = _field(doc, "shards", list, what)
+    shards: list[ShardInfo] = []
+    seen_ranks: set[int] = set()
+    seen_paths: set[str] = set()
+    for i, s in enumerate(shards_doc):
+        sw = f"{what} shard #{i}"
+        if not isinstance(s, dict):
+            raise InvalidManifest(f"{sw}: must be an object")
+        rank = _nonneg(s, "rank", sw, upper=world_size)
+        path = layout.check_relative(_field(s, "path", str, sw), what=f"{sw} path")
+        index = layout.check_relative(_field(s, "index", str, sw), what=f"{sw} index")
+        digest = _field(s, "index_blake3", str, sw)
+        if not hashing.is_hex_digest(digest):
+            raise InvalidManifest(f"{sw}: index_blake3 is not a blake3 hex digest")
+        if rank in seen_ranks or path in seen_paths or index in seen_paths:
+            raise InvalidManifest(f"{sw}: rank {rank} or path {path!r} appears twice")
+        seen_ranks.add(rank)
+        seen_paths.update((path, index))
+        shards.append(
+            ShardInfo(
+                rank=rank,
+                path=path,
+                size=_nonneg(s, "size", sw),
+                index=index,
+                index_size=_nonneg(s, "index_size", sw),
+                index_blake3=digest,
+            )
+        )
+    state = doc.get("state")
+    values.check_node(state)
+    return Manifest(
+        job=job,
+        step=step,
+        generation=generation,
+        world_size=world_size,
+        block_size=block,
+        alignment=align,
+        shards=shards,
+        state=state,
+        metadata=metadata,
+        created_unix=float(created),
+    )
+
+
+def parse_index(
+    data: bytes, *, manifest: Manifest, shard: ShardInfo, max_entries: int, what: str
+) -> ShardIndex:
+    """Parse and cross-check one shard index against its manifest entry."""
+    doc = _check_header(_loads(data, what), INDEX_FORMAT_NAME, what)
+    checks = {
+        "step": manifest.step,
+        "rank": shard.rank,
+        "generation": manifest.generation,
+        "world_size": manifest.world_size,
+        "shard": shard.path,
+        "shard_size": shard.size,
+        "block_size": manifest.block_size,
+        "alignment": manifest.alignment,
+    }
+    for name, want in checks.items():
+        got = doc.get(name)
+        if got != want or isinstance(got, bool):
+            raise InvalidManifest(
+                f"{what}: {name} is {got!r} but the manifest says {want!r} "
+                "(an index from another step, rank or save?)"
+            )
+    entries_doc = _field(doc, "entries", list, what)
+    if len(entries_doc) > max_entries:
+        raise InvalidManifest(
+            f"{what}: {len(entries_doc)} entries, over the limit of {max_entries} "
+            "(raise CKPT_MAX_ENTRIES_PER_SHARD if genuine)"
+        )
+    block = manifest.block_size
+    entries = []
+    keys: set[str] = set()
+    for i, e in enumerate(entries_doc):
+        entry = _parse_entry(e, i, block, manifest.alignment, shard, what)
+        if entry.key in keys:
+            raise InvalidManifest(f"{what}: key {entry.key!r} appears twice in one shard")
+        keys.add(entry.key)
+        entries.append(entry)
+    # Non-overlapping, in bounds.
+    end = 0
+    for e in sorted(entries, key=lambda x: x.offset):
+        if e.offset < end:
+            raise InvalidManifest(
+                f"{what}: entry {e.key!r} at byte {e.offset} overlaps the previous entry"
+            )
+        end = e.offset + e.length
+        if end > shard.size:
+            raise InvalidManifest(
+                f"{what}: entry {e.key!r} ends at byte {end}, past the shard's {shard.size} bytes"
+            )
+    return ShardIndex(
+        job=str(doc.get("job", "")),
+        step=manifest.step,
+        generation=manifest.generation,
+        rank=shard.rank,
+        world_size=manifest.world_size,
+        shard=shard.path,
+        shard_size=shard.size,
+        block_size=block,
+        alignment=manifest.alignment,
+        entries=entries,
+    )
+
+
+def _parse_entry(e: Any, i: int, block: int, align: int, shard: ShardInfo, what: str) -> IndexEntry:
+    ew = f"{what} entry #{i}"
+    if not isinstance(e, dict):
+        raise InvalidManifest(f"{ew}: must be an object")
+    key = _field(e, "key", str, ew)
+    if not key or len(key) > MAX_KEY_LEN or "\0" in key:
+        raise InvalidManifest(f"{ew}: key must be 1..{MAX_KEY_LEN} characters without NUL")
+    ew = f"{what} key {key!r}"
+    dtype = _field(e, "dtype", str, ew)
+    try:
+        size = dtypes.itemsize(dtype)
+    except KeyError as err:
+        raise InvalidManifest(f"{ew}: {err.args[0]}") from None
+    shape = _int_list(e.get("shape"), "shape", ew)
+    offs = _int_list(e.get("chunk_offsets"), "chunk_offsets", ew)
+    sizes = _int_list(e.get("chunk_sizes"), "chunk_sizes", ew)
+    if not len(shape) == len(offs) == len(sizes):
+        raise InvalidManifest(f"{ew}: shape, chunk_offsets and chunk_sizes differ in rank")
+    for d, (n, o, s) in enumerate(zip(shape, offs, sizes, strict=True)):
+        if o + s > n:
+            raise InvalidManifest(f"{ew}: chunk [{o}, {o + s}) exceeds dimension {d} of size {n}")
+    numel = 1
+    for s in sizes:
+        numel *= s
+        if numel > MAX_ELEMENTS:
+            raise InvalidManifest(f"{ew}: chunk has more than 2**62 elements")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise InvalidManifest(f"{ew}: global shape has more than 2**62 elements")
+    length = _nonneg(e, "length", ew)
+    if length != numel * size:
+        raise InvalidManifest(
+            f"{ew}: length {length} != {numel} elements x {size} bytes of {dtype}"
+        )
+    offset = _nonneg(e, "offset", ew)
+    if offset % align:
+        raise InvalidManifest(f"{ew}: offset {offset} is not {align}-byte aligned")
+    file = layout.check_relative(e.get("file", shard.path), what=f"{ew} file")
+    if file != shard.path:
+        raise InvalidManifest(f"{ew}: file {file!r} is not this index's shard {shard.path!r}")
+    digests = e.get("blake3")
+    if not isinstance(digests, list) or len(digests) != hashing.n_blocks(length, block):
+        raise InvalidManifest(f"{ew}: expected {hashing.n_blocks(length, block)} block hashes")
+    if not all(hashing.is_hex_digest(d) for d in digests):
+        raise InvalidManifest(f"{ew}: block hashes must be blake3 hex digests")
+    return IndexEntry(key, dtype, shape, offs, sizes, offset, length, list(digests), file)
+
+
+def describe(err: CkptError, **ctx: Any) -> str:
+    """Prefix an error message with job/step/rank/file context."""
+    parts = [f"{k}={v}" for k, v in ctx.items() if v is not None]
+    return f"[{' '.join(parts)}] {err}" if parts else str(err)

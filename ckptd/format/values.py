@@ -1,0 +1,155 @@
+"""The state tree as JSON: structure and non-tensor values, never pickle.
+
+A node is either a plain JSON scalar (null, true/false, an integer, a finite float, a
+string) or an object with exactly one tag:
+
+    {"float": "nan" | "inf" | "-inf"}
+    {"bytes": "<base64>"}
+    {"list": [node, ...]}           {"tuple": [node, ...]}
+    {"dict": [[key node, value node], ...]}     keys may be any scalar node
+    {"tensor": "<entry key>"}       a torch.Tensor stored in the shards
+    {"ndarray": "<entry key>"}      a numpy array stored as a tensor, restored as numpy
+    {"npscalar": "<entry key>"}     a numpy scalar (0-d), restored as a numpy scalar
+    {"stateful": node}              an object restored through load_state_dict(node)
+    {"per_rank": [rank, node]}      reserved for per-rank values (format v1 readers skip it)
+
+The tag object makes every node unambiguous, whatever keys the user's dicts have.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ckptd.errors import InvalidManifest
+
+MAX_DEPTH = 256
+TENSOR_TAGS = ("tensor", "ndarray", "npscalar")
+_TAGS = frozenset(("float", "bytes", "list", "tuple", "dict", "stateful", "per_rank", *TENSOR_TAGS))
+
+
+def encode_scalar(v: Any) -> Any:
+    """JSON node for a scalar, or raise TypeError when `v` is not one."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, float):
+        if math.isfinite(v):
+            return float(v)
+        return {"float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return {"bytes": base64.b64encode(bytes(v)).decode("ascii")}
+    raise TypeError(type(v).__name__)
+
+
+def decode_scalar(node: Any) -> Any:
+    if isinstance(node, dict):
+        if "float" in node:
+            return float(node["float"])
+        if "bytes" in node:
+            return base64.b64decode(node["bytes"], validate=True)
+        raise InvalidManifest(f"not a scalar node: {str(node)[:80]}")
+    return node
+
+
+def check_node(node: Any, where: str = "state", depth: int = 0) -> None:
+    """Validate a node tree read from storage (structure, tags, depth), iteratively safe."""
+    if depth > MAX_DEPTH:
+        raise InvalidManifest(f"{where}: nested deeper than {MAX_DEPTH} levels")
+    if node is None or isinstance(node, (bool, int, str)):
+        return
+    if isinstance(node, float):
+        if not math.isfinite(node):
+            raise InvalidManifest(f"{where}: bare non-finite float")
+        return
+    if not isinstance(node, dict) or len(node) != 1:
+        raise InvalidManifest(
+            f"{where}: expected a scalar or a one-tag object, got {str(node)[:80]}"
+        )
+    ((tag, body),) = node.items()
+    if tag not in _TAGS:
+        raise InvalidManifest(f"{where}: unknown tag {tag!r}")
+    if tag == "float":
+        if body not in ("nan", "inf", "-inf"):
+            raise InvalidManifest(f"{where}: bad float {body!r}")
+    elif tag == "bytes":
+        if not isinstance(body, str):
+            raise InvalidManifest(f"{where}: bytes must be base64 text")
+        try:
+            base64.b64decode(body, validate=True)
+        except ValueError:
+            raise InvalidManifest(f"{where}: bytes are not valid base64") from None
+    elif tag in ("list", "tuple"):
+        if not isinstance(body, list):
+            raise InvalidManifest(f"{where}: {tag} body must be a list")
+        for i, child in enumerate(body):
+            check_node(child, f"{where}[{i}]", depth + 1)
+    elif tag == "dict":
+        if not isinstance(body, list):
+            raise InvalidManifest(f"{where}: dict body must be a list of pairs")
+        for pair in body:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise InvalidManifest(f"{where}: dict items must be [key, value] pairs")
+            k, v = pair
+            check_node(k, f"{where}.<key>", depth + 1)
+            if isinstance(k, dict) and next(iter(k)) not in ("float", "bytes"):
+                raise InvalidManifest(f"{where}: dict keys must be scalars")
+            check_node(v, f"{where}[{str(k)[:40]}]", depth + 1)
+    elif tag in TENSOR_TAGS:
+        if not isinstance(body, str) or not body:
+            raise InvalidManifest(f"{where}: {tag} must name an entry key")
+    elif tag == "stateful":
+        check_node(body, f"{where}", depth + 1)
+    elif tag == "per_rank":
+        if not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], int):
+            raise InvalidManifest(f"{where}: per_rank must be [rank, node]")
+        check_node(body[1], where, depth + 1)
+
+
+def tensor_refs(node: Any) -> Iterator[tuple[str, str]]:
+    """(tag, key) of every tensor reference in a (validated) node tree."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, dict):
+            continue
+        ((tag, body),) = n.items()
+        if tag in TENSOR_TAGS:
+            yield tag, body
+        elif tag in ("list", "tuple"):
+            stack.extend(body)
+        elif tag == "dict":
+            stack.extend(v for _, v in body)
+        elif tag == "stateful":
+            stack.append(body)
+        elif tag == "per_rank":
+            stack.append(body[1])
+
+
+def decode(node: Any, tensor: Callable[[str, str], Any]) -> Any:
+    """Rebuild plain Python values; `tensor(tag, key)` supplies tensors.
+
+    Stateful nodes decode to their plain state (the object is not recreated: a user
+    restoring into a fresh structure gets the state_dict to hand to load_state_dict).
+    """
+    if not isinstance(node, dict):
+        return node
+    ((tag, body),) = node.items()
+    if tag in ("float", "bytes"):
+        return decode_scalar(node)
+    if tag == "list":
+        return [decode(c, tensor) for c in body]
+    if tag == "tuple":
+        return tuple(decode(c, tensor) for c in body)
+    if tag == "dict":
+        return {decode_scalar(k): decode(v, tensor) for k, v in body}
+    if tag in TENSOR_TAGS:
+        return tensor(tag, body)
+    if tag == "stateful":
+        return decode(body, tensor)
+    if tag == "per_rank":
+        return decode(body[1], tensor)
+    raise InvalidManifest(f"unknown tag {tag!r}")

@@ -1,0 +1,103 @@
+"""The storage seam: where a job's bytes go.
+
+A `Storage` holds one job directory; every path it takes is '/'-separated and relative to
+that directory, and is confined to it. The call order of a save:
+
+    makedirs(step/shards)                       directories durable (parents fsynced)
+    h = open_write(step/shards/rank-R.bin, n)   per rank
+    h.write(offset, length, pieces) ...         from many threads, positional
+    h.finish()                                  data and directory entry durable
+    write_atomic(step/shards/rank-R.json, b)    tmp, fsync, rename, fsync dir
+    write_atomic(step/MANIFEST.json, b)         last: the commit point
+
+Reads: `open_read(path, cold=...)` gives a handle whose `read(offset, length)` is safe to
+call from many threads; with cold=True the bytes come from the device, not the page cache
+(O_DIRECT, or posix_fadvise DONTNEED where O_DIRECT is refused).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import numpy as np
+
+# A piece of a write: (absolute file offset, 1-D contiguous uint8 array).
+Piece = tuple[int, np.ndarray]
+
+
+class WriteHandle(abc.ABC):
+    path: str
+    size: int
+
+    @abc.abstractmethod
+    def write(self, offset: int, length: int, pieces: Sequence[Piece]) -> None:
+        """Write file range [offset, offset+length): pieces where given, zeros elsewhere.
+
+        Pieces lie inside the range and do not overlap. Thread-safe for disjoint ranges.
+        """
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Make the data durable (fsync) and close. Raises StorageError on failure."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Close without making anything durable; the caller removes the file."""
+
+
+class ReadHandle(abc.ABC):
+    path: str
+    size: int
+
+    @abc.abstractmethod
+    def read(self, offset: int, length: int) -> np.ndarray:
+        """Bytes [offset, offset+length) as a uint8 array.
+
+        The array may be a per-thread buffer reused by this thread's next read: consume
+        it (hash, copy) before reading again. Raises StorageError on a short read.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Storage(abc.ABC):
+    url: str
+
+    @abc.abstractmethod
+    def makedirs(self, path: str) -> None:
+        """Create a directory (and parents) under the root, durably."""
+
+    @abc.abstractmethod
+    def open_write(self, path: str, size: int, *, preallocate: bool = False) -> WriteHandle: ...
+
+    @abc.abstractmethod
+    def open_read(self, path: str, *, cold: bool = False) -> ReadHandle: ...
+
+    @abc.abstractmethod
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Replace `path` with `data` atomically and durably."""
+
+    @abc.abstractmethod
+    def read_bytes(self, path: str, *, limit: int) -> bytes:
+        """Whole small file; raises InvalidManifest when it exceeds `limit` bytes."""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Size of a regular file; raises ShardMissing when absent or not a regular file."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def listdir(self, path: str) -> list[str]:
+        """Names in a directory ('' is the root); [] when it does not exist."""
+
+    @abc.abstractmethod
+    def remove_tree(self, path: str) -> None:
+        """Remove a file or directory tree; no error when absent."""
+
+    @abc.abstractmethod
+    def rename(self, src: str, dst: str) -> None:
+        """Rename within the root, durably (both directories fsynced)."""

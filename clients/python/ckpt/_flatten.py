@@ -1,0 +1,188 @@
+"""State <-> (JSON node tree, tensor leaves).
+
+`flatten` walks a user's state (nested dicts/lists/tuples, tensors, numpy arrays, plain
+values, and objects with state_dict()/load_state_dict()) and produces the node tree of
+ckptd.format.values plus one leaf per distinct tensor. Keys are the path of the leaf,
+components joined by '/' ('%' and '/' inside a component are escaped), e.g.
+'model/layers.0.weight' or 'optim/state/0/exp_avg'. Two paths that share one tensor
+(same storage, offset, shape, strides, dtype) share one leaf, so the bytes are stored once.
+
+Anything that is not one of those kinds is refused with an error naming its key: there
+is no pickle fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptd.errors import UnsupportedValue
+from ckptd.format import dtypes, values
+
+
+@dataclasses.dataclass
+class Leaf:
+    key: str
+    tag: str  # "tensor" | "ndarray" | "npscalar"
+    dtype: str
+    shape: list[int]
+    data: np.ndarray  # the bytes, 1-D uint8, contiguous (a view of the tensor when possible)
+    source: Any  # the tensor/array the bytes come from (kept alive while writing)
+
+
+def escape(component: str) -> str:
+    return component.replace("%", "%25").replace("/", "%2F")
+
+
+def _component(k: Any) -> str:
+    if isinstance(k, str):
+        return escape(k)
+    return escape(repr(k) if not isinstance(k, int) or isinstance(k, bool) else str(k))
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """The raw bytes of a CPU tensor as a 1-D uint8 array (a view when contiguous)."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _numpy_dtype_name(a: np.ndarray) -> str | None:
+    if a.dtype.hasobject or a.dtype.fields is not None:
+        return None
+    name = a.dtype.newbyteorder("=").name if not a.dtype.isnative else a.dtype.name
+    try:
+        dtypes.itemsize(name)
+    except KeyError:
+        return None
+    return name
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+        self.keys: set[str] = set()
+        self.by_storage: dict[tuple[Any, ...], str] = {}
+
+    def unique_key(self, path: list[str]) -> str:
+        key = "/".join(path) or "."
+        if key in self.keys:
+            n = 1
+            while f"{key}#{n}" in self.keys:
+                n += 1
+            key = f"{key}#{n}"
+        self.keys.add(key)
+        return key
+
+    def walk(self, obj: Any, path: list[str], seen: set[int]) -> Any:
+        where = "/".join(path) or "<root>"
+        if isinstance(obj, torch.Tensor):
+            return {"tensor": self.tensor(obj, path, where)}
+        if isinstance(obj, np.ndarray):
+            return {"ndarray": self.ndarray(obj, path, where, "ndarray")}
+        if isinstance(obj, np.generic):
+            return {"npscalar": self.ndarray(np.asarray(obj), path, where, "npscalar")}
+        if id(obj) in seen:
+            raise UnsupportedValue(f"state key {where!r}: the state contains a reference cycle")
+        if is_stateful(obj) and not isinstance(obj, Mapping):
+            seen = seen | {id(obj)}
+            return {"stateful": self.walk(obj.state_dict(), path, seen)}
+        if isinstance(obj, Mapping):
+            seen = seen | {id(obj)}
+            items = []
+            for k, v in obj.items():
+                try:
+                    knode = values.encode_scalar(k)
+                except TypeError:
+                    raise UnsupportedValue(
+                        f"state key {where!r}: dict key {k!r} of type {type(k).__name__} "
+                        "cannot be stored; use str, int, float, bool, None or bytes keys"
+                    ) from None
+                items.append([knode, self.walk(v, [*path, _component(k)], seen)])
+            return {"dict": items}
+        if isinstance(obj, (list, tuple)):
+            seen = seen | {id(obj)}
+            children = [self.walk(v, [*path, str(i)], seen) for i, v in enumerate(obj)]
+            return {"tuple" if isinstance(obj, tuple) else "list": children}
+        try:
+            return values.encode_scalar(obj)
+        except TypeError:
+            raise UnsupportedValue(
+                f"state key {where!r}: cannot store a value of type {type(obj).__module__}."
+                f"{type(obj).__qualname__}. ckptd stores tensors, numpy arrays, None, bool, int, "
+                "float, str, bytes, lists/tuples/dicts of them, and objects with state_dict()/"
+                "load_state_dict(); convert it to one of these (there is no pickle fallback)"
+            ) from None
+
+    def tensor(self, t: torch.Tensor, path: list[str], where: str) -> str:
+        if type(t).__name__ == "DTensor":
+            raise UnsupportedValue(
+                f"state key {where!r}: DTensor needs a multi-rank save through the coordinator, "
+                "which this version does not have yet; save t.full_tensor() instead"
+            )
+        if t.layout != torch.strided:
+            raise UnsupportedValue(
+                f"state key {where!r}: {t.layout} tensors are not supported; convert with .to_dense()"
+            )
+        if t.is_quantized or t.is_nested or t.device.type == "meta":
+            raise UnsupportedValue(
+                f"state key {where!r}: quantized, nested and meta tensors are not supported; "
+                "dequantize / materialize it first"
+            )
+        name = dtypes.name_of(t.dtype)
+        if name is None:
+            raise UnsupportedValue(
+                f"state key {where!r}: dtype {t.dtype} is not supported; supported: "
+                f"{', '.join(dtypes.SUPPORTED)}"
+            )
+        if t.device.type != "cpu":
+            t = t.detach().to("cpu")
+        sig = None
+        if t.numel():
+            st = t.untyped_storage()
+            sig = (st.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if sig in self.by_storage:
+                return self.by_storage[sig]
+        key = self.unique_key(path)
+        if sig is not None:
+            self.by_storage[sig] = key
+        self.leaves.append(Leaf(key, "tensor", name, list(t.shape), tensor_bytes(t), t))
+        return key
+
+    def ndarray(self, a: np.ndarray, path: list[str], where: str, tag: str) -> str:
+        name = _numpy_dtype_name(a)
+        if name is None:
+            raise UnsupportedValue(
+                f"state key {where!r}: numpy dtype {a.dtype} is not supported "
+                "(object, structured and string arrays cannot be stored without pickle)"
+            )
+        if not a.dtype.isnative:
+            a = a.astype(a.dtype.newbyteorder("="))
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")  # ascontiguousarray would turn 0-d into 1-d
+        key = self.unique_key(path)
+        data = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, dtype=np.uint8)
+        self.leaves.append(Leaf(key, tag, name, list(a.shape), data, a))
+        return key
+
+
+def flatten(state: Any) -> tuple[Any, list[Leaf]]:
+    """(node tree, tensor leaves) of a state; raises UnsupportedValue naming the key."""
+    f = _Flattener()
+    node = f.walk(state, [], set())
+    return node, f.leaves
