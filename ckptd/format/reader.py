@@ -106,13 +106,13 @@ def read_entries(
             return [err]
         for p in w.parts:
             view = data[p.at : p.at + p.length]
-            e = entries[p.entry]
+            ent = entries[p.entry]
             got = hashing.digest(view)
-            if got != e.blake3[p.block]:
+            if got != ent.blake3[p.block]:
                 err = HashMismatch(
-                    f"{storage.url}/{path}: key {e.key!r} block {p.block} "
-                    f"(file bytes {e.offset + p.start}..{e.offset + p.start + p.length}) "
-                    f"has blake3 {got[:16]}..., the index says {e.blake3[p.block][:16]}...; "
+                    f"{storage.url}/{path}: key {ent.key!r} block {p.block} "
+                    f"(file bytes {ent.offset + p.start}..{ent.offset + p.start + p.length}) "
+                    f"has blake3 {got[:16]}..., the index says {ent.blake3[p.block][:16]}...; "
                     "the shard is corrupt: restore an earlier step or a replica"
                 )
                 if not collect:

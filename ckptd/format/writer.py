@@ -22,7 +22,7 @@ from ckptd import knobs
 from ckptd.errors import CkptError, CorruptCheckpoint, ShardSizeMismatch, StorageError
 from ckptd.format import hashing, layout
 from ckptd.format.manifest import IndexEntry, ShardIndex, ShardInfo
-from ckptd.storage.base import Piece, Storage
+from ckptd.storage.base import Piece, Storage, WriteHandle
 
 
 @dataclasses.dataclass
@@ -210,7 +210,13 @@ def write_shard(
     )
 
 
-def _write_window(handle, offset, length, pieces, progress) -> None:  # type: ignore[no-untyped-def]
+def _write_window(
+    handle: WriteHandle,
+    offset: int,
+    length: int,
+    pieces: list[Piece],
+    progress: Callable[[int], None] | None,
+) -> None:
     handle.write(offset, length, pieces)
     if progress is not None:
         progress(length)

@@ -35,7 +35,7 @@ class FsspecWriteHandle(WriteHandle):
         full = self._storage.full(self.path)
         try:
             with self._storage.fs.open(full, "wb") as f:
-                f.write(memoryview(self._buf))
+                f.write(memoryview(self._buf))  # type: ignore[arg-type]
         except OSError as e:
             raise StorageError(f"upload of {self._storage.url}/{self.path} failed: {e}") from e
         finally:

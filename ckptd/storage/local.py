@@ -138,7 +138,7 @@ class LocalWriteHandle(WriteHandle):
         if offset + n > pos:
             ctypes.memset(_addr(buf) + (pos - offset), 0, offset + n - pos)
         try:
-            done = os.pwrite(self._fd, buf, offset)
+            done = os.pwrite(self._fd, memoryview(buf), offset)  # type: ignore[arg-type]
         except OSError as e:
             # Some filesystems accept O_DIRECT at open and refuse it at write.
             if e.errno != errno.EINVAL:
@@ -162,7 +162,7 @@ class LocalWriteHandle(WriteHandle):
         for off, arr in pieces:
             if off > pos:
                 views.append(bytes(off - pos))
-            views.append(memoryview(arr))
+            views.append(memoryview(arr))  # type: ignore[arg-type]
             pos = off + arr.nbytes
         if offset + length > pos:
             views.append(bytes(offset + length - pos))
@@ -175,7 +175,7 @@ class LocalWriteHandle(WriteHandle):
             done += n
             if done < total:  # rare: continue after a short write
                 views = _skip(views, n)
-        if self._writeback:
+        if self._writeback and _sync_file_range is not None:
             _sync_file_range(self._fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
     def finish(self) -> None:
@@ -243,7 +243,7 @@ class LocalReadHandle(ReadHandle):
                 end = min(_round_up(offset + length), _round_up(self.size))
                 buf = _bounce.get(end - start)
                 try:
-                    got = os.preadv(self._fd, [buf], start)
+                    got = os.preadv(self._fd, [buf], start)  # type: ignore[list-item]
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
@@ -254,7 +254,7 @@ class LocalReadHandle(ReadHandle):
                     raise OSError(errno.EIO, f"short read at {offset}: file ends early")
                 return buf[head : head + length]
             buf = _bounce.get(length)
-            got = os.preadv(self._fd, [buf], offset)
+            got = os.preadv(self._fd, [buf], offset)  # type: ignore[list-item]
             if got < length:
                 raise OSError(errno.EIO, f"short read at {offset}: {got} of {length} bytes")
             return buf

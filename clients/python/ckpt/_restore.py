@@ -11,6 +11,7 @@ load_state_dict() get their state after all reads, children before parents.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, MutableMapping, MutableSequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,6 +35,10 @@ class _Dest:
     key: str
     buffer: torch.Tensor | np.ndarray  # contiguous, CPU, of the saved dtype and shape
     bytes: np.ndarray  # uint8 view of buffer
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.detach().copy_(src)
 
 
 class Planner:
@@ -108,9 +113,10 @@ class Planner:
         shape = tuple(entry.shape)
         if key in self.dests:
             buf = self.dests[key].buffer
+            assert isinstance(buf, torch.Tensor)
             if isinstance(target, torch.Tensor) and target is not buf:
-                self._check(target, dtype, shape, path)
-                self.after_read.insert(0, lambda: target.copy_(buf))  # type: ignore[arg-type]
+                if self._check(target, dtype, shape, path):
+                    self.after_read.insert(0, functools.partial(_copy, target, buf))
                 return target
             return buf
         if isinstance(target, torch.Tensor):
@@ -128,7 +134,7 @@ class Planner:
             buf = torch.empty(shape, dtype=dtype)
             self.dests[key] = _Dest(key, buf, tensor_bytes(buf))
             # Runs before load_state_dict callbacks (they were appended later).
-            self.after_read.insert(0, lambda: target.detach().copy_(buf))
+            self.after_read.insert(0, functools.partial(_copy, target, buf))
             return target
         buf = torch.empty(shape, dtype=dtype)
         self.dests[key] = _Dest(key, buf, tensor_bytes(buf))

@@ -1,0 +1,256 @@
+"""Helpers shared by the ckptd benchmarks: the synthetic state, cold caches, fsync,
+aligned buffers, statistics, machine description and the JSON result file.
+
+GB = 1e9 bytes everywhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GB = 1e9
+MiB = 1 << 20
+ALIGN = 4096
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+
+# -- the state ---------------------------------------------------------------------------
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def transformer_shapes(hidden: int, layers: int, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a llama-like decoder."""
+    ffn = _round_up(hidden * 8 // 3, 64)
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        shapes[p + "attn_norm.weight"] = (hidden,)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes[f"{p}attn.{proj}.weight"] = (hidden, hidden)
+        shapes[p + "mlp_norm.weight"] = (hidden,)
+        shapes[p + "mlp.gate_proj.weight"] = (ffn, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (ffn, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, ffn)
+    shapes["norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def shapes_for_size(size_gib: float, layers: int = 16, vocab: int = 32000):
+    """The hidden size (a multiple of 64) whose state comes closest to size_gib.
+
+    Each parameter costs 10 bytes: a bf16 weight and two fp32 Adam moments.
+    """
+    target = size_gib * (1 << 30)
+
+    def nbytes(h: int) -> int:
+        return 10 * sum(int(np.prod(s)) for s in transformer_shapes(h, layers, vocab).values())
+
+    best = min(range(64, 16384 + 1, 64), key=lambda h: abs(nbytes(h) - target))
+    return transformer_shapes(best, layers, vocab), best
+
+
+def make_state(size_gib: float, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """{"model": {name: bf16}, "optim": {name: {"exp_avg": fp32, "exp_avg_sq": fp32}}},
+    random values (never a zero page), and a description of it."""
+    shapes, hidden = shapes_for_size(size_gib)
+    g = torch.Generator().manual_seed(seed)
+    model = {n: torch.randn(s, generator=g, dtype=torch.bfloat16) for n, s in shapes.items()}
+    optim = {
+        n: {
+            "exp_avg": torch.randn(s, generator=g) * 1e-3,
+            "exp_avg_sq": torch.randn(s, generator=g).square_().add_(1e-8),
+        }
+        for n, s in shapes.items()
+    }
+    state = {"model": model, "optim": optim}
+    flat = flat_tensors(state)
+    desc = {
+        "hidden": hidden,
+        "layers": 16,
+        "vocab": 32000,
+        "tensors": len(flat),
+        "bytes": sum(t.nbytes for _, t in flat),
+        "largest_tensor_bytes": max(t.nbytes for _, t in flat),
+        "dtypes": {"model": "bfloat16", "optim": "float32"},
+    }
+    return state, desc
+
+
+def flat_tensors(tree: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor of a nested dict, in insertion order, '/'-joined."""
+    if isinstance(tree, torch.Tensor):
+        return [(prefix, tree)]
+    out: list[tuple[str, torch.Tensor]] = []
+    for k, v in tree.items():
+        out += flat_tensors(v, f"{prefix}/{k}" if prefix else str(k))
+    return out
+
+
+def u8(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as a 1-D uint8 numpy view."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+# -- memory and files -------------------------------------------------------------------
+def aligned_buffer(n: int, fill: int | None = 0x5A) -> np.ndarray:
+    """A page-aligned (mmap) uint8 buffer, touched so no page fault is left for later."""
+    buf = np.frombuffer(mmap.mmap(-1, max(ALIGN, _round_up(n, ALIGN))), dtype=np.uint8)[:n]
+    if fill is not None:
+        buf.fill(fill)
+    return buf
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike[str]) -> None:
+    """fsync a file (and its directory) or every file and directory under a directory."""
+    p = Path(path)
+    if p.is_file():
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(p.parent)
+        return
+    for root, _dirs, files in os.walk(p):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+    fsync_dir(p.parent)
+
+
+def remove(path: str | os.PathLike[str]) -> None:
+    p = Path(path)
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+
+
+def drop_caches(under: str | os.PathLike[str]) -> str:
+    """Make the next read of files under `under` come from the device.
+
+    sync + echo 3 > /proc/sys/vm/drop_caches where allowed, else posix_fadvise(DONTNEED)
+    on every file under `under` (after an fsync, so the pages are clean and droppable).
+    Returns the method used.
+    """
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for root, _dirs, files in os.walk(under):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "fadvise"
+
+
+# -- statistics and output -------------------------------------------------------------
+def summarize(seconds: list[float], nbytes: int) -> dict[str, float]:
+    rates = [nbytes / s / GB for s in seconds]
+    return {
+        "median_gbps": statistics.median(rates),
+        "min_gbps": min(rates),
+        "max_gbps": max(rates),
+        "median_s": statistics.median(seconds),
+    }
+
+
+def _meminfo_total() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _mount_of(path: Path) -> dict[str, str]:
+    best: dict[str, str] = {}
+    real = str(path.resolve())
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mnt, fstype, opts = line.split()[:4]
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
+                best.get("mount", "")
+            ):
+                best = {"device": dev, "mount": mnt, "fstype": fstype, "options": opts}
+    return best
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=BENCH_DIR, capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine_info(work_dir: Path) -> dict[str, Any]:
+    import blake3
+
+    cpu = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "cpu": cpu,
+        "ram_bytes": _meminfo_total(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "numpy": np.__version__,
+        "blake3": getattr(blake3, "__version__", "?"),
+        "work_dir": str(work_dir),
+        "filesystem": _mount_of(work_dir),
+        "git_head": _git("rev-parse", "HEAD"),
+        "git_dirty_files": len(_git("status", "--porcelain").splitlines()),
+    }
+
+
+def write_results(name: str, data: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = RESULTS_DIR / f"{name}-{stamp}.json"
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return path

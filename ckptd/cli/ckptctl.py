@@ -1,0 +1,364 @@
+"""ckptctl: list, inspect, verify and garbage-collect checkpoints, from storage alone.
+
+Exit codes: 0 all good, 1 a problem was found (corrupt, missing, no checkpoint),
+2 usage error. `--json` prints one JSON document on stdout; human text and progress bars
+go to stderr/stdout as usual, progress only when stderr is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ckptd.errors import CkptError
+from ckptd.format import checkpoint as ckfmt
+from ckptd.format import layout, values
+from ckptd.storage import Storage, open_storage
+
+OK, PROBLEM, USAGE = 0, 1, 2
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _print_table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+def _emit_json(doc: Any) -> None:
+    json.dump(doc, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
+    steps = ckfmt.list_steps(storage)
+    if args.json:
+        _emit_json(
+            {
+                "path": storage.url,
+                "steps": [
+                    {
+                        "step": s.step,
+                        "status": s.status,
+                        "bytes": sum(x.size for x in s.manifest.shards) if s.manifest else None,
+                        "world_size": s.manifest.world_size if s.manifest else None,
+                        "created_unix": s.manifest.created_unix if s.manifest else None,
+                        "error": s.error,
+                    }
+                    for s in steps
+                ],
+            }
+        )
+        return OK
+    if not steps:
+        print(f"{storage.url}: no checkpoints")
+        return OK
+    rows = []
+    for s in steps:
+        m = s.manifest
+        if m is not None:
+            rows.append(
+                [
+                    str(s.step),
+                    s.status,
+                    human_bytes(sum(x.size for x in m.shards)),
+                    str(m.world_size),
+                    _when(m.created_unix),
+                ]
+            )
+        else:
+            rows.append([str(s.step), s.status, "-", "-", s.error or ""])
+    _print_table(rows, ["STEP", "STATUS", "SIZE", "RANKS", "CREATED"])
+    return OK
+
+
+def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
+    ck = ckfmt.open_checkpoint(storage, args.step)
+    m = ck.manifest
+    entries: list[dict[str, Any]] = [
+        {
+            "key": c.entry.key,
+            "dtype": c.entry.dtype,
+            "shape": c.entry.shape,
+            "chunk_offsets": c.entry.chunk_offsets,
+            "chunk_sizes": c.entry.chunk_sizes,
+            "bytes": c.entry.length,
+            "rank": c.shard.rank,
+            "file": c.shard.path,
+            "offset": c.entry.offset,
+        }
+        for chunks in ck.chunks.values()
+        for c in chunks
+    ]
+    plain = sum(1 for _ in _plain_values(m.state))
+    if args.json:
+        _emit_json(
+            {
+                "path": storage.url,
+                "step": m.step,
+                "generation": m.generation,
+                "world_size": m.world_size,
+                "created_unix": m.created_unix,
+                "block_size": m.block_size,
+                "bytes": ck.total_bytes,
+                "metadata": m.metadata,
+                "shards": [s.to_json() for s in m.shards],
+                "tensors": entries,
+                "plain_values": plain,
+            }
+        )
+        return OK
+    print(f"job        {storage.url}")
+    print(
+        f"step       {m.step}   (generation {m.generation}, {m.world_size} rank(s), created {_when(m.created_unix)})"
+    )
+    print(
+        f"size       {human_bytes(ck.total_bytes)} in {len(m.shards)} shard(s), block {human_bytes(m.block_size)}"
+    )
+    if m.metadata:
+        print(f"metadata   {json.dumps(m.metadata)[:200]}")
+    print(f"values     {len(ck.chunks)} tensors, {plain} plain values")
+    print()
+    rows = [
+        [
+            e["key"],
+            e["dtype"],
+            "x".join(map(str, e["shape"])) or "()",
+            human_bytes(e["bytes"]),
+            str(e["rank"]),
+        ]
+        for e in entries
+    ]
+    _print_table(rows, ["KEY", "DTYPE", "SHAPE", "SIZE", "RANK"])
+    return OK
+
+
+def _plain_values(node: Any) -> Any:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, dict):
+            yield n
+            continue
+        ((tag, body),) = n.items()
+        if tag in ("float", "bytes"):
+            yield n
+        elif tag in ("list", "tuple"):
+            stack.extend(body)
+        elif tag == "dict":
+            stack.extend(v for _, v in body)
+        elif tag == "stateful":
+            stack.append(body)
+        elif tag == "per_rank":
+            stack.append(body[1])
+        elif tag not in values.TENSOR_TAGS:
+            yield n
+
+
+def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
+    if args.all:
+        steps = [s.step for s in ckfmt.list_steps(storage) if s.status != ckfmt.INCOMPLETE]
+        if not steps:
+            return _no_checkpoint(storage, args)
+    else:
+        try:
+            steps = [ckfmt.resolve_step(storage, args.step)]
+        except CkptError as e:
+            return _no_checkpoint(storage, args, str(e))
+    reports = []
+    for step in steps:
+        total = _step_bytes(storage, step)
+        bar = _progress(total, f"verify step {step}", args)
+        try:
+            reports.append(
+                ckfmt.verify_checkpoint(
+                    storage, step, level=args.level, progress=bar.update if bar else None
+                )
+            )
+        finally:
+            if bar:
+                bar.close()
+    ok = all(r.ok for r in reports)
+    if args.json:
+        _emit_json(
+            {
+                "path": storage.url,
+                "ok": ok,
+                "steps": [
+                    {
+                        "step": r.step,
+                        "ok": r.ok,
+                        "level": r.level,
+                        "bytes_checked": r.bytes_checked,
+                        "problems": r.problems,
+                    }
+                    for r in reports
+                ],
+            }
+        )
+    else:
+        for r in reports:
+            if r.ok:
+                print(f"step {r.step}: OK ({r.level}, {human_bytes(r.bytes_checked)} checked)")
+            else:
+                print(f"step {r.step}: CORRUPT ({len(r.problems)} problem(s))")
+                for p in r.problems:
+                    print(f"  - {p}")
+        if not ok:
+            print(
+                "checkpoints with problems must not be loaded; load an earlier step "
+                "(ckpt.load(..., step=N)) or restore from a replica",
+                file=sys.stderr,
+            )
+    return OK if ok else PROBLEM
+
+
+def _no_checkpoint(storage: Storage, args: argparse.Namespace, why: str | None = None) -> int:
+    msg = why or f"{storage.url} holds no committed checkpoint"
+    if args.json:
+        _emit_json({"path": storage.url, "ok": False, "steps": [], "error": msg})
+    else:
+        print(f"error: {msg}", file=sys.stderr)
+    return PROBLEM
+
+
+def _step_bytes(storage: Storage, step: int) -> int:
+    try:
+        return sum(s.size for s in ckfmt.read_manifest(storage, step).shards)
+    except CkptError:
+        return 0
+
+
+def _progress(total: int, desc: str, args: argparse.Namespace) -> Any:
+    if args.no_progress or not sys.stderr.isatty() or total < (64 << 20):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr
+    )
+
+
+def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
+    steps = ckfmt.list_steps(storage)
+    committed = [s.step for s in steps if s.status == ckfmt.COMMITTED]
+    newest = committed[-1] if committed else None
+    doomed: list[tuple[int, str]] = []
+    for s in steps:
+        if s.status != ckfmt.COMMITTED and (
+            newest is None or s.step < newest or args.include_newer
+        ):
+            doomed.append((s.step, f"{s.status.lower()}: {s.error}"))
+    if args.keep_last is not None:
+        if args.keep_last < 1:
+            print(
+                "error: --keep-last must be at least 1 (the newest checkpoint is always kept)",
+                file=sys.stderr,
+            )
+            return USAGE
+        doomed += [(st, "retired by --keep-last") for st in committed[: -args.keep_last]]
+    for step, why in sorted(doomed):
+        if not args.dry_run:
+            ckfmt.remove_step(storage, step)
+        if not args.json:
+            print(
+                f"{'would remove' if args.dry_run else 'removed'} {layout.step_dir(step)} ({why})"
+            )
+    if args.json:
+        _emit_json(
+            {
+                "path": storage.url,
+                "dry_run": args.dry_run,
+                "removed": [s for s, _ in sorted(doomed)],
+            }
+        )
+    elif not doomed:
+        print("nothing to remove")
+    return OK
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckptctl", description="Inspect and verify ckptd checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.add_argument(
+            "path", metavar="PATH", help="the job's checkpoint directory (or fsspec URL)"
+        )
+        sp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+        return sp
+
+    add("list", "list the steps of a job and their status")
+    sp = add("inspect", "show a committed step's manifest and tensors")
+    sp.add_argument("--step", type=int, help="step (default: newest committed)")
+    sp = add("verify", "check sizes and blake3 hashes of committed steps")
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument("--step", type=int, help="step (default: newest committed)")
+    g.add_argument("--all", action="store_true", help="every committed step")
+    sp.add_argument(
+        "--level",
+        choices=("size", "full"),
+        default="full",
+        help="size: presence and sizes; full: re-read and hash every byte (default)",
+    )
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp = add("gc", "remove debris of unfinished saves and, optionally, old steps")
+    sp.add_argument("--keep-last", type=int, help="also remove committed steps beyond the newest N")
+    sp.add_argument(
+        "--include-newer",
+        action="store_true",
+        help="also remove unfinished steps newer than the newest committed one (only when no save is running)",
+    )
+    sp.add_argument("--dry-run", action="store_true", help="show what would be removed")
+    return p
+
+
+COMMANDS = {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0) if e.code in (0, None) else USAGE
+    try:
+        storage = open_storage(args.path)
+        if args.command != "gc" and not storage.exists(""):
+            print(f"error: {args.path} does not exist", file=sys.stderr)
+            if args.json:
+                _emit_json({"path": args.path, "ok": False, "error": "does not exist"})
+            return PROBLEM
+        return COMMANDS[args.command](storage, args)
+    except (ValueError, CkptError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return USAGE if isinstance(e, ValueError) and not isinstance(e, CkptError) else PROBLEM
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
