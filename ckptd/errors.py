@@ -11,7 +11,14 @@
     ├── UnsafePath(PermissionError)             a path escapes the checkpoint directory
     ├── UnsupportedValue(TypeError)             a state value ckptd refuses to store
     ├── StateMismatch(KeyError)                 load target and checkpoint disagree
-    └── StorageError(OSError)                   an I/O call failed while saving or loading
+    ├── StorageError(OSError)                   an I/O call failed while saving or loading
+    ├── InvalidRequest(ValueError)              a malformed request to the coordinator
+    ├── Unauthenticated(PermissionError)        wrong or missing coordinator token
+    ├── CoordinatorUnavailable(ConnectionError) the coordinator cannot be reached
+    └── SaveFailed                              a save did not commit
+        ├── SaveAborted                         aborted: a rank failed, lease expired, timeout
+        ├── StaleGeneration                     fenced: a newer generation of the job exists
+        └── DivergentReplicas                   ranks hold different values under one key
 
 Messages name the job path, step, rank, shard file and key involved, and say what to do.
 Translate foreign exceptions only at boundaries (storage calls, JSON parsing).
@@ -70,6 +77,34 @@ class StorageError(CkptError, OSError):
     pass
 
 
+class InvalidRequest(CkptError, ValueError):
+    pass
+
+
+class Unauthenticated(CkptError, PermissionError):
+    pass
+
+
+class CoordinatorUnavailable(CkptError, ConnectionError):
+    pass
+
+
+class SaveFailed(CkptError):
+    """A save did not commit; earlier checkpoints are untouched."""
+
+
+class SaveAborted(SaveFailed):
+    pass
+
+
+class StaleGeneration(SaveFailed):
+    pass
+
+
+class DivergentReplicas(SaveFailed):
+    pass
+
+
 __all__ = [
     "CkptError",
     "CheckpointNotFound",
@@ -83,4 +118,11 @@ __all__ = [
     "UnsupportedValue",
     "StateMismatch",
     "StorageError",
+    "InvalidRequest",
+    "Unauthenticated",
+    "CoordinatorUnavailable",
+    "SaveFailed",
+    "SaveAborted",
+    "StaleGeneration",
+    "DivergentReplicas",
 ]

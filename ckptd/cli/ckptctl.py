@@ -169,7 +169,7 @@ def _plain_values(node: Any) -> Any:
         elif tag == "stateful":
             stack.append(body)
         elif tag == "per_rank":
-            stack.append(body[1])
+            stack.extend(n for _, n in body)
         elif tag not in values.TENSOR_TAGS:
             yield n
 

@@ -34,6 +34,14 @@ def hash_blocks(data: memoryview, block_size: int) -> list[str]:
     return [digest(data[s : s + block_size]) for s in range(0, len(data), block_size)]
 
 
+def chunk_digest(block_digests: list[str]) -> str:
+    """One hash for a whole chunk, from its block hashes (no second pass over the bytes)."""
+    h = blake3.blake3()
+    for d in block_digests:
+        h.update(bytes.fromhex(d))
+    return h.hexdigest()
+
+
 def is_hex_digest(s: object) -> bool:
     if not isinstance(s, str) or len(s) != HEX_LEN:
         return False

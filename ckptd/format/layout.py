@@ -37,14 +37,23 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def shard_name(rank: int) -> str:
-    check_rank(rank)
-    return f"{SHARDS_DIR}/rank-{rank:05d}.bin"
+def _generation_suffix(generation: int) -> str:
+    # Generation 0 keeps the plain name. Later generations get their own file names, so a
+    # fenced rank of an older generation that wakes up can never write into a newer
+    # generation's shard of the same step.
+    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+        raise ValueError(f"generation must be a non-negative integer, got {generation!r}")
+    return f".g{generation}" if generation else ""
 
 
-def index_name(rank: int) -> str:
+def shard_name(rank: int, generation: int = 0) -> str:
     check_rank(rank)
-    return f"{SHARDS_DIR}/rank-{rank:05d}.json"
+    return f"{SHARDS_DIR}/rank-{rank:05d}{_generation_suffix(generation)}.bin"
+
+
+def index_name(rank: int, generation: int = 0) -> str:
+    check_rank(rank)
+    return f"{SHARDS_DIR}/rank-{rank:05d}{_generation_suffix(generation)}.json"
 
 
 def check_step(step: object) -> int:

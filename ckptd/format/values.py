@@ -11,7 +11,8 @@ string) or an object with exactly one tag:
     {"ndarray": "<entry key>"}      a numpy array stored as a tensor, restored as numpy
     {"npscalar": "<entry key>"}     a numpy scalar (0-d), restored as a numpy scalar
     {"stateful": node}              an object restored through load_state_dict(node)
-    {"per_rank": [rank, node]}      reserved for per-rank values (format v1 readers skip it)
+    {"per_rank": [[rank, node], ...]}   a value that differs per rank (ckpt.PerRank);
+                                    each rank restores its own entry
 
 The tag object makes every node unambiguous, whatever keys the user's dicts have.
 """
@@ -104,9 +105,18 @@ def check_node(node: Any, where: str = "state", depth: int = 0) -> None:
     elif tag == "stateful":
         check_node(body, f"{where}", depth + 1)
     elif tag == "per_rank":
-        if not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], int):
-            raise InvalidManifest(f"{where}: per_rank must be [rank, node]")
-        check_node(body[1], where, depth + 1)
+        if not isinstance(body, list):
+            raise InvalidManifest(f"{where}: per_rank must be a list of [rank, node] pairs")
+        for pair in body:
+            if (
+                not isinstance(pair, list)
+                or len(pair) != 2
+                or isinstance(pair[0], bool)
+                or not isinstance(pair[0], int)
+                or pair[0] < 0
+            ):
+                raise InvalidManifest(f"{where}: per_rank items must be [rank, node] pairs")
+            check_node(pair[1], f"{where}@rank{pair[0]}", depth + 1)
 
 
 def tensor_refs(node: Any) -> Iterator[tuple[str, str]]:
@@ -126,7 +136,7 @@ def tensor_refs(node: Any) -> Iterator[tuple[str, str]]:
         elif tag == "stateful":
             stack.append(body)
         elif tag == "per_rank":
-            stack.append(body[1])
+            stack.extend(n for _, n in body)
 
 
 def decode(node: Any, tensor: Callable[[str, str], Any]) -> Any:
@@ -151,5 +161,5 @@ def decode(node: Any, tensor: Callable[[str, str], Any]) -> Any:
     if tag == "stateful":
         return decode(body, tensor)
     if tag == "per_rank":
-        return decode(body[1], tensor)
+        return {int(r): decode(n, tensor) for r, n in body}
     raise InvalidManifest(f"unknown tag {tag!r}")

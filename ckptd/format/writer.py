@@ -113,6 +113,7 @@ def write_shard(
     io_threads: int | None = None,
     progress: Callable[[int], None] | None = None,
     stats: ShardWriteStats | None = None,
+    digests: list[list[str]] | None = None,
 ) -> ShardInfo:
     """Write, fsync and verify one rank's shard and its index; return what to commit.
 
@@ -124,19 +125,27 @@ def write_shard(
     k = knobs.get()
     block, align = k.block_size, k.alignment
     sdir = layout.step_dir(step)
-    shard_path = f"{sdir}/{layout.shard_name(rank)}"
-    index_path = f"{sdir}/{layout.index_name(rank)}"
+    shard_name = layout.shard_name(rank, generation)
+    index_name = layout.index_name(rank, generation)
+    shard_path = f"{sdir}/{shard_name}"
+    index_path = f"{sdir}/{index_name}"
     offsets, size = plan_offsets(items, align)
     ctx = f"job {job!r} step {step} rank {rank} shard {storage.url}/{shard_path}"
     threads = io_threads or k.io_threads
     st = stats if stats is not None else ShardWriteStats()
     t0 = time.perf_counter()
-    digests: list[list[str]] = [[""] * hashing.n_blocks(it.data.nbytes, block) for it in items]
+    # Block hashes computed earlier (a multi-rank save hashes before planning) are reused.
+    precomputed = digests is not None
+    hashes = (
+        digests
+        if digests is not None
+        else [[""] * hashing.n_blocks(it.data.nbytes, block) for it in items]
+    )
 
     def hash_group(group: list[tuple[int, int]]) -> None:
         for i, b in group:
             data = items[i].data
-            digests[i][b] = hashing.digest(data[b * block : (b + 1) * block])
+            hashes[i][b] = hashing.digest(data[b * block : (b + 1) * block])
 
     storage.makedirs(f"{sdir}/{layout.SHARDS_DIR}")
     handle = storage.open_write(
@@ -144,7 +153,7 @@ def write_shard(
     )
     try:
         windows = _windows(items, offsets, size, k.io_window)
-        groups = _hash_groups(items, block, k.io_window)
+        groups = [] if precomputed else _hash_groups(items, block, k.io_window)
         with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-write") as pool:
             futures: list[Future[None]] = []
             for i in range(max(len(windows), len(groups))):
@@ -173,8 +182,8 @@ def write_shard(
             chunk_sizes=list(it.chunk_sizes),
             offset=off,
             length=it.data.nbytes,
-            blake3=digests[i],
-            file=layout.shard_name(rank),
+            blake3=hashes[i],
+            file=shard_name,
         )
         for i, (it, off) in enumerate(zip(items, offsets, strict=True))
     ]
@@ -184,7 +193,7 @@ def write_shard(
         generation=generation,
         rank=rank,
         world_size=world_size,
-        shard=layout.shard_name(rank),
+        shard=shard_name,
         shard_size=size,
         block_size=block,
         alignment=align,
@@ -202,12 +211,32 @@ def write_shard(
     st.verify_s = time.perf_counter() - t1
     return ShardInfo(
         rank=rank,
-        path=layout.shard_name(rank),
+        path=shard_name,
         size=size,
-        index=layout.index_name(rank),
+        index=index_name,
         index_size=len(index_bytes),
         index_blake3=hashing.digest(index_bytes),
     )
+
+
+def hash_items(items: Sequence[WriteItem], *, threads: int | None = None) -> list[list[str]]:
+    """Block hashes of every item, on a thread pool (blake3 releases the GIL)."""
+    k = knobs.get()
+    block = k.block_size
+    hashes = [[""] * hashing.n_blocks(it.data.nbytes, block) for it in items]
+
+    def run(group: list[tuple[int, int]]) -> None:
+        for i, b in group:
+            hashes[i][b] = hashing.digest(items[i].data[b * block : (b + 1) * block])
+
+    groups = _hash_groups(items, block, k.io_window)
+    if len(groups) <= 1:
+        for g in groups:
+            run(g)
+        return hashes
+    with ThreadPoolExecutor(threads or k.io_threads, thread_name_prefix="ckpt-hash") as pool:
+        _wait_all([pool.submit(run, g) for g in groups])
+    return hashes
 
 
 def _write_window(

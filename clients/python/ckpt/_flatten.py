@@ -29,9 +29,32 @@ class Leaf:
     key: str
     tag: str  # "tensor" | "ndarray" | "npscalar"
     dtype: str
-    shape: list[int]
+    shape: list[int]  # global shape
     data: np.ndarray  # the bytes, 1-D uint8, contiguous (a view of the tensor when possible)
     source: Any  # the tensor/array the bytes come from (kept alive while writing)
+    chunk_offsets: list[int] = dataclasses.field(default_factory=list)
+    chunk_sizes: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.chunk_sizes and self.shape:
+            self.chunk_offsets = [0] * len(self.shape)
+            self.chunk_sizes = list(self.shape)
+
+
+class PerRank:
+    """A value that differs per rank, stored per rank and restored to the same rank.
+
+    Without it, a value under one key on several ranks is a replica and must be equal on
+    every rank (the save fails loudly when it is not).
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.value!r})"
 
 
 def escape(component: str) -> str:
@@ -74,7 +97,8 @@ def _numpy_dtype_name(a: np.ndarray) -> str | None:
 
 
 class _Flattener:
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
         self.leaves: list[Leaf] = []
         self.keys: set[str] = set()
         self.by_storage: dict[tuple[Any, ...], str] = {}
@@ -97,6 +121,10 @@ class _Flattener:
             return {"ndarray": self.ndarray(obj, path, where, "ndarray")}
         if isinstance(obj, np.generic):
             return {"npscalar": self.ndarray(np.asarray(obj), path, where, "npscalar")}
+        if isinstance(obj, PerRank):
+            return {
+                "per_rank": [[self.rank, self.walk(obj.value, [*path, f"@rank{self.rank}"], seen)]]
+            }
         if id(obj) in seen:
             raise UnsupportedValue(f"state key {where!r}: the state contains a reference cycle")
         if is_stateful(obj) and not isinstance(obj, Mapping):
@@ -131,10 +159,7 @@ class _Flattener:
 
     def tensor(self, t: torch.Tensor, path: list[str], where: str) -> str:
         if type(t).__name__ == "DTensor":
-            raise UnsupportedValue(
-                f"state key {where!r}: DTensor needs a multi-rank save through the coordinator, "
-                "which this version does not have yet; save t.full_tensor() instead"
-            )
+            return self.dtensor(t, path, where)
         if t.layout != torch.strided:
             raise UnsupportedValue(
                 f"state key {where!r}: {t.layout} tensors are not supported; convert with .to_dense()"
@@ -164,6 +189,25 @@ class _Flattener:
         self.leaves.append(Leaf(key, "tensor", name, list(t.shape), tensor_bytes(t), t))
         return key
 
+    def dtensor(self, t: Any, path: list[str], where: str) -> str:
+        """A DTensor is one global tensor; this rank holds the box of its local shard."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = t.to_local()
+        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if tuple(local.shape) != tuple(sizes):
+            raise UnsupportedValue(
+                f"state key {where!r}: DTensor local shard {list(local.shape)} does not match its "
+                f"placement ({list(sizes)}); redistribute it before saving"
+            )
+        key = self.tensor(local, path, where)
+        leaf = self.leaves[-1]
+        if leaf.key == key:
+            leaf.shape = list(t.shape)
+            leaf.chunk_offsets = list(offsets)
+            leaf.chunk_sizes = list(sizes)
+        return key
+
     def ndarray(self, a: np.ndarray, path: list[str], where: str, tag: str) -> str:
         name = _numpy_dtype_name(a)
         if name is None:
@@ -181,8 +225,8 @@ class _Flattener:
         return key
 
 
-def flatten(state: Any) -> tuple[Any, list[Leaf]]:
+def flatten(state: Any, rank: int = 0) -> tuple[Any, list[Leaf]]:
     """(node tree, tensor leaves) of a state; raises UnsupportedValue naming the key."""
-    f = _Flattener()
+    f = _Flattener(rank)
     node = f.walk(state, [], set())
     return node, f.leaves

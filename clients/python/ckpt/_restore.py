@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt._flatten import is_stateful, tensor_bytes
+from ckpt._flatten import PerRank, is_stateful, tensor_bytes
 from ckptd.errors import StateMismatch
 from ckptd.format import dtypes, values
 from ckptd.format.checkpoint import Chunk, OpenCheckpoint
@@ -30,11 +30,13 @@ from ckptd.storage.local import copy_into
 
 @dataclasses.dataclass
 class _Dest:
-    """Where one saved key's bytes go."""
+    """Where one saved key's bytes go: the box [offsets, offsets+sizes) of the tensor."""
 
     key: str
-    buffer: torch.Tensor | np.ndarray  # contiguous, CPU, of the saved dtype and shape
+    buffer: torch.Tensor | np.ndarray  # contiguous, CPU, of the saved dtype, shaped like the box
     bytes: np.ndarray  # uint8 view of buffer
+    offsets: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -42,8 +44,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class Planner:
-    def __init__(self, ckpt: OpenCheckpoint, *, strict: bool = True):
+    def __init__(self, ckpt: OpenCheckpoint, *, strict: bool = True, rank: int = 0):
         self.ckpt = ckpt
+        self.rank = rank
         self.strict = strict
         self.dests: dict[str, _Dest] = {}
         self.after_read: list[Callable[[], None]] = []
@@ -78,7 +81,19 @@ class Planner:
                 self.restore(c, t[i] if t else None, f"{path}/{i}") for i, c in enumerate(body)
             )
         if tag == "per_rank":
-            return self.restore(body[1], target, path)
+            mine = [n for r, n in body if r == self.rank]
+            inner = target.value if isinstance(target, PerRank) else target
+            if not mine:
+                self.problems.append(
+                    f"{path}: the checkpoint holds per-rank values for ranks "
+                    f"{sorted(r for r, _ in body)[:8]}, none for rank {self.rank}"
+                )
+                return target
+            value = self.restore(mine[0], inner, path)
+            if isinstance(target, PerRank):
+                target.value = value
+                return target
+            return value
         raise StateMismatch(f"{path}: unknown node tag {tag!r}")
 
     def _dict(self, body: list[Any], target: Any, path: str) -> Any:
@@ -111,6 +126,8 @@ class Planner:
         entry, _ = self._saved(key, path)
         dtype = dtypes.from_name(entry.dtype)
         shape = tuple(entry.shape)
+        if type(target).__name__ == "DTensor":
+            return self._dtensor(key, target, dtype, shape, path)
         if key in self.dests:
             buf = self.dests[key].buffer
             assert isinstance(buf, torch.Tensor)
@@ -139,6 +156,26 @@ class Planner:
         buf = torch.empty(shape, dtype=dtype)
         self.dests[key] = _Dest(key, buf, tensor_bytes(buf))
         return buf
+
+    def _dtensor(
+        self, key: str, target: Any, dtype: torch.dtype, shape: tuple[int, ...], path: str
+    ) -> Any:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if target.dtype != dtype or tuple(target.shape) != shape:
+            self._check(target, dtype, shape, path)
+            return target
+        local = target.to_local()
+        sizes, offsets = compute_local_shape_and_global_offset(
+            target.shape, target.device_mesh, target.placements
+        )
+        if local.device.type == "cpu" and local.is_contiguous():
+            t = local.detach()
+        else:
+            t = torch.empty(tuple(sizes), dtype=dtype)
+            self.after_read.insert(0, functools.partial(_copy, local, t))
+        self.dests[key] = _Dest(key, t, tensor_bytes(t), tuple(offsets), tuple(sizes))
+        return target
 
     def _ndarray(self, key: str, target: Any, path: str) -> np.ndarray:
         entry, _ = self._saved(key, path)
@@ -187,22 +224,23 @@ class Planner:
             )
 
     def read(self, threads: int | None = None) -> int:
-        """Read every planned key, verified; returns bytes read."""
+        """Read every planned key, verified; returns bytes read.
+
+        A saved chunk whose box equals the wanted box is read straight into the
+        destination. Otherwise every saved chunk that overlaps the wanted box is read
+        (verified) into a temporary and its overlap copied in: correct for any world
+        size; a later planner reads only the overlapping ranges.
+        """
         per_shard: dict[str, tuple[list[IndexEntry], list[np.ndarray]]] = {}
+        copies: list[Callable[[], None]] = []
         total = 0
         for key, dest in self.dests.items():
-            for chunk in self.ckpt.chunks[key]:
-                if not chunk.entry.is_full:
-                    raise StateMismatch(
-                        f"{self.ckpt.storage.url} step {self.ckpt.step}: key {key!r} is stored in "
-                        "chunks; loading sharded checkpoints needs a newer ckpt"
-                    )
+            for chunk, sink in self._sources(key, dest, copies):
                 path = self.ckpt.shard_path(chunk.shard)
                 entries, sinks = per_shard.setdefault(path, ([], []))
                 entries.append(chunk.entry)
-                sinks.append(dest.bytes)
+                sinks.append(sink)
                 total += chunk.entry.length
-                break  # a full chunk covers the key; replicas are not read twice
 
         def load_shard(path: str) -> None:
             entries, sinks = per_shard[path]
@@ -224,6 +262,68 @@ class Planner:
         elif per_shard:
             with ThreadPoolExecutor(min(4, len(per_shard))) as pool:
                 list(pool.map(load_shard, per_shard))
+        for fn in copies:
+            fn()
         for fn in self.after_read:
             fn()
         return total
+
+    def _sources(
+        self, key: str, dest: _Dest, copies: list[Callable[[], None]]
+    ) -> list[tuple[Chunk, np.ndarray]]:
+        chunks = self.ckpt.chunks[key]
+        shape = tuple(chunks[0].entry.shape)
+        offsets = dest.offsets or (0,) * len(shape)
+        sizes = dest.sizes or shape
+        for c in chunks:
+            if tuple(c.entry.chunk_offsets) == offsets and tuple(c.entry.chunk_sizes) == sizes:
+                return [(c, dest.bytes)]
+        if not isinstance(dest.buffer, torch.Tensor):
+            raise StateMismatch(f"key {key!r}: numpy values saved in chunks cannot be reassembled")
+        out: list[tuple[Chunk, np.ndarray]] = []
+        covered = 0
+        for c in chunks:
+            lo = [max(o, co) for o, co in zip(offsets, c.entry.chunk_offsets, strict=True)]
+            hi = [
+                min(o + n, co + cn)
+                for o, n, co, cn in zip(
+                    offsets, sizes, c.entry.chunk_offsets, c.entry.chunk_sizes, strict=True
+                )
+            ]
+            if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)) and shape:
+                continue
+            tmp = torch.empty(tuple(c.entry.chunk_sizes), dtype=dest.buffer.dtype)
+            out.append((c, tensor_bytes(tmp)))
+            copies.append(
+                functools.partial(
+                    _copy_box, dest.buffer, offsets, tmp, tuple(c.entry.chunk_offsets), lo, hi
+                )
+            )
+            n = 1
+            for lo_, h in zip(lo, hi, strict=True):
+                n *= h - lo_
+            covered += n
+        want = 1
+        for n in sizes:
+            want *= n
+        if covered != want:
+            raise StateMismatch(
+                f"{self.ckpt.storage.url} step {self.ckpt.step}: key {key!r}: the saved chunks cover "
+                f"{covered} of the {want} elements this rank needs"
+            )
+        return out
+
+
+def _copy_box(
+    dst: torch.Tensor,
+    dst_offsets: tuple[int, ...],
+    src: torch.Tensor,
+    src_offsets: tuple[int, ...],
+    lo: list[int],
+    hi: list[int],
+) -> None:
+    d, s = dst, src
+    for dim, (a, b) in enumerate(zip(lo, hi, strict=True)):
+        d = d.narrow(dim, a - dst_offsets[dim], b - a)
+        s = s.narrow(dim, a - src_offsets[dim], b - a)
+    d.copy_(s)

@@ -1,0 +1,880 @@
+"""The coordinator core: save sessions and their commit state machine, without transport.
+
+    OPEN --(all plans in: assignment)--> OPEN, planned
+         --(all shards reported, checked)--> COMMITTING --(manifest written)--> COMMITTED
+         --(abort, lease expiry, barrier timeout, newer generation)--> ABORTED
+
+One asyncio loop owns all state; blocking storage calls (stat, reading an index, writing
+the manifest, removing files) run in threads. The catalog records each transition
+durably before it is acknowledged, so a restarted coordinator finishes or aborts what a
+previous life left open (`recover`). Fencing: each job has a newest generation; a request
+from an older one is refused with StaleGeneration, and a newer one aborts the older's
+open saves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ckptd.coordinator import planning
+from ckptd.coordinator.catalog import Catalog, SaveRecord, now
+from ckptd.errors import (
+    CheckpointExists,
+    CheckpointNotFound,
+    CkptError,
+    InvalidRequest,
+    SaveAborted,
+    StaleGeneration,
+    UnsafePath,
+)
+from ckptd.format import checkpoint as ckfmt
+from ckptd.format import hashing, layout, values
+from ckptd.format.manifest import Manifest, ShardInfo, parse_index
+from ckptd.storage import Storage, open_storage
+
+log = logging.getLogger("ckptd.coordinator")
+
+OPEN, COMMITTING, COMMITTED, ABORTED = "OPEN", "COMMITTING", "COMMITTED", "ABORTED"
+MAX_PLAN_CHUNKS_PER_PART = 20_000
+MAX_WORLD_SIZE = layout.MAX_RANK + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveRef:
+    job: str
+    step: int
+    generation: int
+    rank: int
+    world_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardReport:
+    shard_path: str
+    size: int
+    index_path: str
+    index_size: int
+    index_blake3: str
+    verify: str = "full"
+
+
+@dataclasses.dataclass
+class BeginResult:
+    shard_path: str
+    index_path: str
+    write: list[int]
+    lease_s: float
+    warnings: list[str]
+    complete: bool
+
+
+@dataclasses.dataclass
+class StatusResult:
+    status: str
+    reason: str = ""
+    manifest_blake3: str = ""
+
+
+@dataclasses.dataclass
+class _RankPlan:
+    parts: int
+    received: dict[int, list[planning.ChunkPlan]] = dataclasses.field(default_factory=dict)
+    state: Any = None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.received) == self.parts
+
+    def chunks(self) -> list[planning.ChunkPlan]:
+        return [c for p in range(self.parts) for c in self.received[p]]
+
+
+class Session:
+    def __init__(self, job: str, step: int, generation: int, world_size: int, keep_last: int):
+        self.job, self.step, self.generation, self.world_size = job, step, generation, world_size
+        self.keep_last = keep_last
+        self.status = OPEN
+        self.reason = ""
+        self.plans: dict[int, _RankPlan] = {}
+        self.assignment: planning.Assignment | None = None
+        self.chunks: dict[int, list[planning.ChunkPlan]] = {}
+        self.reports: dict[int, ShardReport] = {}
+        self.last_seen: dict[int, float] = {}
+        self.created = time.monotonic()
+        self.barrier_deadline = self.created
+        self.allow_divergent = False
+        self.planned: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.done: asyncio.Future[StatusResult] = asyncio.get_running_loop().create_future()
+        self.commit_task: asyncio.Task[None] | None = None
+        self.manifest_blake3 = ""
+        self.bytes = 0
+        self.state: Any = None  # merged state tree, once planned
+        self.metadata: dict[str, Any] = {}
+
+    def fail(self, reason: str, kind: type[CkptError] = SaveAborted) -> None:
+        self.status, self.reason = ABORTED, reason
+        if not self.planned.done():
+            self.planned.set_exception(kind(reason))
+            self.planned.exception()  # mark retrieved: not every rank may be waiting
+        if not self.done.done():
+            self.done.set_result(StatusResult(ABORTED, reason))
+
+
+class Coordinator:
+    """Transport-free coordinator over one storage root."""
+
+    def __init__(
+        self,
+        root: str,
+        catalog: Catalog,
+        *,
+        lease_s: float = 60.0,
+        barrier_timeout_s: float = 600.0,
+        storage_factory: Callable[[str], Storage] | None = None,
+    ):
+        self.root = root.rstrip("/") if "://" in root else os.path.realpath(os.path.abspath(root))
+        self.catalog = catalog
+        self.lease_s = lease_s
+        self.barrier_timeout_s = barrier_timeout_s
+        self._storage_factory = storage_factory or (lambda p: open_storage(p, create=True))
+        self._storages: dict[str, Storage] = {}
+        self.sessions: dict[tuple[str, int], Session] = {}
+        self._watchdog: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._open_lock = asyncio.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.recover()
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def close(self) -> None:
+        if self._watchdog:
+            self._watchdog.cancel()
+        for t in list(self._background):
+            try:
+                await t
+            except Exception:  # noqa: S110 - logged where raised
+                pass
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    # -- paths -------------------------------------------------------------------------
+    def job_name(self, job: str) -> str:
+        """The job's path relative to the root; refuses anything outside it."""
+        if not isinstance(job, str) or not job or "\0" in job or len(job) > 4096:
+            raise InvalidRequest(f"job path {job[:80]!r} is empty, too long or contains NUL")
+        if "://" in self.root:
+            rel = job[len(self.root) + 1 :] if job.startswith(self.root + "/") else job
+            if "://" in rel:
+                raise UnsafePath(f"job {job!r} is outside the coordinator's root {self.root}")
+        else:
+            full = job if os.path.isabs(job) else os.path.join(self.root, job)
+            full = os.path.normpath(full)
+            if full != self.root and not full.startswith(self.root + "/"):
+                raise UnsafePath(
+                    f"job {job!r} is outside the coordinator's root {self.root}; "
+                    "save under the root the coordinator serves"
+                )
+            rel = os.path.relpath(full, self.root)
+        for part in rel.split("/"):
+            layout.check_relative(part, what=f"job {job!r} component")
+        return rel
+
+    def storage(self, job: str) -> Storage:
+        s = self._storages.get(job)
+        if s is None:
+            path = f"{self.root}/{job}"
+            if "://" not in self.root:
+                real = os.path.realpath(path)
+                if real != self.root and not real.startswith(self.root + "/"):
+                    raise UnsafePath(
+                        f"job {job!r} resolves through a symlink to {real}, outside {self.root}"
+                    )
+            s = self._storages[job] = self._storage_factory(path)
+        return s
+
+    # -- validation --------------------------------------------------------------------
+    def _check_ref(self, ref: SaveRef) -> str:
+        job = self.job_name(ref.job)
+        if not 1 <= ref.world_size <= MAX_WORLD_SIZE:
+            raise InvalidRequest(
+                f"job {job!r} step {ref.step}: world_size {ref.world_size} out of range"
+            )
+        if not 0 <= ref.rank < ref.world_size:
+            raise InvalidRequest(
+                f"job {job!r} step {ref.step}: rank {ref.rank} not in [0, {ref.world_size})"
+            )
+        try:
+            layout.check_step(ref.step)
+        except ValueError as e:
+            raise InvalidRequest(f"job {job!r}: {e}") from None
+        if ref.generation < 0 or ref.generation >= 1 << 62:
+            raise InvalidRequest(f"job {job!r}: generation {ref.generation} out of range")
+        newest = self.catalog.generation(job)
+        if newest is not None and ref.generation < newest:
+            raise StaleGeneration(
+                f"job {job!r} step {ref.step} rank {ref.rank}: generation {ref.generation} is older "
+                f"than the job's newest generation {newest}; this process belongs to a previous "
+                "attempt and is fenced: it must exit"
+            )
+        return job
+
+    def _session(self, ref: SaveRef, job: str) -> Session:
+        s = self.sessions.get((job, ref.step))
+        if s is None or s.generation != ref.generation:
+            rec = self.catalog.save(job, ref.step)
+            if rec is not None and rec.generation == ref.generation:
+                raise (
+                    SaveAborted(
+                        f"job {job!r} step {ref.step}: the save is {rec.status}"
+                        + (f" ({rec.reason})" if rec.reason else "")
+                    )
+                    if rec.status == ABORTED
+                    else CheckpointExists(f"job {job!r} step {ref.step} is {rec.status}")
+                )
+            raise InvalidRequest(
+                f"job {job!r} step {ref.step} generation {ref.generation}: no such save "
+                "(BeginSave first)"
+            )
+        if s.world_size != ref.world_size:
+            raise InvalidRequest(
+                f"job {job!r} step {ref.step}: rank {ref.rank} says world size {ref.world_size}, "
+                f"the save has {s.world_size}"
+            )
+        s.last_seen[ref.rank] = time.monotonic()
+        return s
+
+    # -- RPCs --------------------------------------------------------------------------
+    async def open_job(self, job: str, attempt: str) -> tuple[int, str]:
+        """The generation of `attempt` of `job`: newest + 1 for a new attempt, else the same."""
+        name = self.job_name(job)
+        if not attempt or len(attempt) > 512:
+            raise InvalidRequest(f"job {name!r}: attempt id must be 1..512 characters")
+        async with self._open_lock:
+            gen = self.catalog.attempt_generation(name, attempt)
+            if gen is None:
+                newest = self.catalog.generation(name)
+                gen = 0 if newest is None else newest + 1
+                await self.catalog.write(
+                    "INSERT INTO attempts (job, attempt, generation) VALUES (?, ?, ?)",
+                    (name, attempt, gen),
+                )
+                await self._advance_generation(name, gen)
+        return gen, name
+
+    async def begin_save(
+        self,
+        ref: SaveRef,
+        chunks: Sequence[planning.ChunkPlan],
+        *,
+        part: int = 0,
+        parts: int = 1,
+        state: Any = None,
+        metadata: dict[str, Any] | None = None,
+        allow_divergent: bool = False,
+        keep_last: int = 0,
+        timeout_s: float | None = None,
+    ) -> BeginResult:
+        job = self._check_ref(ref)
+        if not (1 <= parts <= 100_000 and 0 <= part < parts):
+            raise InvalidRequest(
+                f"job {job!r} step {ref.step} rank {ref.rank}: bad part {part}/{parts}"
+            )
+        if len(chunks) > MAX_PLAN_CHUNKS_PER_PART:
+            raise InvalidRequest(
+                f"job {job!r} step {ref.step} rank {ref.rank}: {len(chunks)} chunks in one part; "
+                f"send at most {MAX_PLAN_CHUNKS_PER_PART} per part"
+            )
+        await self._advance_generation(job, ref.generation)
+        s = self.sessions.get((job, ref.step))
+        if s is not None and s.generation < ref.generation:
+            await self._abort(s, f"superseded by generation {ref.generation}")
+            s = None
+        if s is None:
+            rec = self.catalog.save(job, ref.step)
+            if rec is not None and rec.status == COMMITTED:
+                raise CheckpointExists(
+                    f"job {job!r} step {ref.step} is already committed; save under a new step"
+                )
+            if rec is not None and rec.generation == ref.generation and rec.status == ABORTED:
+                raise SaveAborted(
+                    f"job {job!r} step {ref.step}: the save was aborted ({rec.reason})"
+                )
+            if self.storage(job).exists(f"{layout.step_dir(ref.step)}/{layout.MANIFEST_NAME}"):
+                raise CheckpointExists(
+                    f"job {job!r} step {ref.step} is already committed in storage; save under a new step"
+                )
+            s = Session(job, ref.step, ref.generation, ref.world_size, keep_last)
+            s.barrier_deadline = time.monotonic() + (timeout_s or self.barrier_timeout_s)
+            self.sessions[(job, ref.step)] = s
+            await self.catalog.write(
+                "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, created_unix, keep_last) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (job, ref.step, ref.generation, ref.world_size, OPEN, now(), keep_last),
+            )
+        s = self._session(ref, job)
+        if s.status == ABORTED:
+            raise SaveAborted(f"job {job!r} step {ref.step}: the save was aborted ({s.reason})")
+        plan = s.plans.get(ref.rank)
+        if plan is None:
+            plan = s.plans[ref.rank] = _RankPlan(parts)
+        if plan.parts != parts:
+            raise InvalidRequest(
+                f"job {job!r} step {ref.step} rank {ref.rank}: parts changed {plan.parts} -> {parts}"
+            )
+        if part in plan.received and plan.received[part] != list(chunks):
+            raise InvalidRequest(
+                f"job {job!r} step {ref.step} rank {ref.rank}: part {part} re-sent with a different plan"
+            )
+        plan.received[part] = list(chunks)
+        if state is not None:
+            values.check_node(state, f"job {job!r} step {ref.step} rank {ref.rank} state")
+            plan.state = state
+        if metadata:
+            plan.metadata = metadata
+        s.allow_divergent = s.allow_divergent or allow_divergent
+        if not plan.complete:
+            return BeginResult("", "", [], self.lease_s, [], complete=False)
+        if (
+            s.assignment is None
+            and len(s.plans) == s.world_size
+            and all(p.complete for p in s.plans.values())
+        ):
+            await self._plan(s)
+        try:
+            await asyncio.shield(s.planned)
+        except CkptError as e:
+            raise type(e)(
+                f"job {job!r} step {ref.step} rank {ref.rank}: the save was aborted: {s.reason}"
+            ) from None
+        assert s.assignment is not None
+        return BeginResult(
+            shard_path=layout.shard_name(ref.rank, ref.generation),
+            index_path=layout.index_name(ref.rank, ref.generation),
+            write=s.assignment.write[ref.rank],
+            lease_s=self.lease_s,
+            warnings=s.assignment.warnings,
+            complete=True,
+        )
+
+    async def _plan(self, s: Session) -> None:
+        try:
+            s.chunks = {r: p.chunks() for r, p in s.plans.items()}
+            s.assignment = planning.assign(s.chunks, allow_divergent=s.allow_divergent)
+            state = planning.merge_states({r: p.state for r, p in s.plans.items()})
+            metadata = s.plans[0].metadata if 0 in s.plans else {}
+        except CkptError as e:
+            await self._abort(s, str(e), kind=type(e))
+            return
+        draft = json.dumps({"state": state, "metadata": metadata, "chunks": _chunks_json(s.chunks)})
+        await self.catalog.write(
+            "UPDATE saves SET draft=? WHERE job=? AND step=? AND generation=?",
+            (draft, s.job, s.step, s.generation),
+        )
+        s.state, s.metadata = state, metadata
+        now_m = time.monotonic()
+        for r in range(s.world_size):
+            s.last_seen.setdefault(r, now_m)
+            s.last_seen[r] = max(s.last_seen[r], now_m)
+        if not s.planned.done():
+            s.planned.set_result(None)
+
+    async def keep_alive(self, ref: SaveRef) -> StatusResult:
+        job = self._check_ref(ref)
+        s = self._session(ref, job)
+        return StatusResult(s.status, s.reason, s.manifest_blake3)
+
+    async def report_shard(self, ref: SaveRef, report: ShardReport) -> StatusResult:
+        job = self._check_ref(ref)
+        s = self._session(ref, job)
+        if s.status == ABORTED:
+            return StatusResult(ABORTED, s.reason)
+        if s.assignment is None:
+            raise InvalidRequest(
+                f"job {job!r} step {ref.step} rank {ref.rank}: ReportShard before the plan was made"
+            )
+        prev = s.reports.get(ref.rank)
+        if prev is not None:
+            if prev == report:
+                return StatusResult(s.status, s.reason, s.manifest_blake3)
+            raise InvalidRequest(
+                f"job {job!r} step {ref.step} rank {ref.rank}: shard reported twice with different "
+                f"contents (index blake3 {prev.index_blake3[:12]} then {report.index_blake3[:12]})"
+            )
+        if s.status != OPEN:
+            return StatusResult(s.status, s.reason, s.manifest_blake3)
+        want_shard, want_index = (
+            layout.shard_name(ref.rank, s.generation),
+            layout.index_name(ref.rank, s.generation),
+        )
+        if report.shard_path != want_shard or report.index_path != want_index:
+            raise InvalidRequest(
+                f"job {job!r} step {ref.step} rank {ref.rank}: reported {report.shard_path!r}, "
+                f"assigned {want_shard!r}"
+            )
+        if report.verify not in ("full", "size"):
+            raise InvalidRequest(
+                f"job {job!r} step {ref.step} rank {ref.rank}: verify must be full or size"
+            )
+        try:
+            await asyncio.to_thread(self._check_report, s, ref.rank, report)
+        except CkptError as e:
+            await self._abort(s, f"rank {ref.rank}: {e}")
+            return StatusResult(ABORTED, s.reason)
+        await self.catalog.write(
+            "INSERT OR REPLACE INTO reports (job, step, generation, rank, report) VALUES (?, ?, ?, ?, ?)",
+            (job, ref.step, ref.generation, ref.rank, json.dumps(dataclasses.asdict(report))),
+        )
+        if s.status != OPEN:  # aborted while we checked
+            return StatusResult(s.status, s.reason)
+        s.reports[ref.rank] = report
+        if len(s.reports) == s.world_size and s.commit_task is None:
+            s.status = COMMITTING
+            s.commit_task = asyncio.get_running_loop().create_task(self._commit(s))
+        return StatusResult(s.status, s.reason, s.manifest_blake3)
+
+    def _check_report(self, s: Session, rank: int, report: ShardReport) -> None:
+        """The coordinator's own look at a shard: sizes, index hash, and the chunks it holds."""
+        st = self.storage(s.job)
+        sdir = layout.step_dir(s.step)
+        size = st.size(f"{sdir}/{report.shard_path}")
+        if size != report.size:
+            raise CkptError(
+                f"{st.url}/{sdir}/{report.shard_path} is {size} bytes, the rank reported {report.size}"
+            )
+        data = st.read_bytes(f"{sdir}/{report.index_path}", limit=report.index_size)
+        if len(data) != report.index_size or hashing.digest(data) != report.index_blake3:
+            raise CkptError(
+                f"{st.url}/{sdir}/{report.index_path} does not match the reported size/blake3"
+            )
+        assert s.assignment is not None
+        draft = Manifest(
+            job=s.job,
+            step=s.step,
+            generation=s.generation,
+            world_size=s.world_size,
+            block_size=_index_block_size(data),
+            alignment=4096,
+            shards=[],
+            state=None,
+        )
+        shard = ShardInfo(
+            rank,
+            report.shard_path,
+            report.size,
+            report.index_path,
+            report.index_size,
+            report.index_blake3,
+        )
+        index = parse_index(
+            data,
+            manifest=draft,
+            shard=shard,
+            max_entries=10**7,
+            what=f"{st.url}/{sdir}/{report.index_path}",
+        )
+        planned = s.chunks[rank]
+        want = {
+            (planned[i].key, planned[i].chunk_offsets, planned[i].chunk_sizes): planned[i]
+            for i in s.assignment.write[rank]
+        }
+        got = {(e.key, tuple(e.chunk_offsets), tuple(e.chunk_sizes)): e for e in index.entries}
+        if set(want) != set(got):
+            missing = sorted(k[0] for k in set(want) - set(got))[:5]
+            extra = sorted(k[0] for k in set(got) - set(want))[:5]
+            raise CkptError(
+                f"shard index holds other chunks than assigned (missing {missing}, unexpected {extra})"
+            )
+        for k, c in want.items():
+            e = got[k]
+            if (
+                e.dtype != c.dtype
+                or e.length != c.length
+                or hashing.chunk_digest(e.blake3) != c.blake3
+            ):
+                raise CkptError(
+                    f"key {k[0]!r}: the shard holds other bytes than the rank planned (hash mismatch)"
+                )
+        s.bytes += report.size
+
+    async def _commit(self, s: Session) -> None:
+        st = self.storage(s.job)
+        shards = [
+            ShardInfo(r, rep.shard_path, rep.size, rep.index_path, rep.index_size, rep.index_blake3)
+            for r, rep in sorted(s.reports.items())
+        ]
+        block = await asyncio.to_thread(_shard_block_size, st, s.step, shards)
+        m = Manifest(
+            job=s.job,
+            step=s.step,
+            generation=s.generation,
+            world_size=s.world_size,
+            block_size=block,
+            alignment=4096,
+            shards=shards,
+            state=s.state,
+            metadata=s.metadata,
+        )
+        try:
+            if s.status != COMMITTING:
+                return
+            await self.catalog.write(
+                "UPDATE saves SET status=? WHERE job=? AND step=? AND generation=?",
+                (COMMITTING, s.job, s.step, s.generation),
+            )
+            data = await asyncio.to_thread(ckfmt.commit, st, m)
+        except CkptError as e:
+            await self._abort(s, f"commit failed: {e}")
+            return
+        except OSError as e:
+            await self._abort(s, f"commit failed: {e}")
+            return
+        digest = hashing.digest(data)
+        s.manifest_blake3 = digest
+        total = sum(x.size for x in shards)
+        await self.catalog.write(
+            "UPDATE saves SET status=?, committed_unix=?, manifest_blake3=?, bytes=?, draft=NULL "
+            "WHERE job=? AND step=? AND generation=?",
+            (COMMITTED, now(), digest, total, s.job, s.step, s.generation),
+        )
+        await self.catalog.write(
+            "DELETE FROM reports WHERE job=? AND step=? AND generation=?",
+            (s.job, s.step, s.generation),
+        )
+        s.status = COMMITTED
+        if not s.done.done():
+            s.done.set_result(StatusResult(COMMITTED, "", digest))
+        log.info(
+            "committed job %s step %d (%d ranks, %.2f GB)", s.job, s.step, s.world_size, total / 1e9
+        )
+        self.sessions.pop((s.job, s.step), None)
+        if s.keep_last:
+            self._spawn(self._retention(s.job, s.keep_last))
+
+    async def await_commit(self, ref: SaveRef, timeout_s: float | None = None) -> StatusResult:
+        job = self._check_ref(ref)
+        s = self.sessions.get((job, ref.step))
+        if s is None or s.generation != ref.generation:
+            rec = self.catalog.save(job, ref.step)
+            if rec is None or rec.generation != ref.generation:
+                raise InvalidRequest(
+                    f"job {job!r} step {ref.step} generation {ref.generation}: no such save"
+                )
+            return StatusResult(rec.status, rec.reason, rec.manifest_blake3)
+        s.last_seen[ref.rank] = time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(s.done), timeout_s)
+        except TimeoutError:
+            return StatusResult(s.status, s.reason, s.manifest_blake3)
+
+    async def abort_save(self, ref: SaveRef, reason: str) -> StatusResult:
+        job = self._check_ref(ref)
+        s = self.sessions.get((job, ref.step))
+        if s is None or s.generation != ref.generation:
+            rec = self.catalog.save(job, ref.step)
+            if rec is None:
+                raise InvalidRequest(f"job {job!r} step {ref.step}: no such save")
+            return StatusResult(rec.status, rec.reason, rec.manifest_blake3)
+        if s.status in (OPEN,):
+            await self._abort(s, f"rank {ref.rank} aborted: {reason[:1000]}")
+        return StatusResult(s.status, s.reason, s.manifest_blake3)
+
+    # -- catalog queries ---------------------------------------------------------------
+    def list_checkpoints(self, job: str) -> list[SaveRecord]:
+        return self.catalog.saves(self.job_name(job))
+
+    def get_checkpoint(self, job: str, step: int | None) -> SaveRecord:
+        name = self.job_name(job)
+        if step is None:
+            committed = self.catalog.saves(name, COMMITTED)
+            if not committed:
+                raise CheckpointNotFound(f"job {name!r} has no committed checkpoint")
+            return committed[-1]
+        rec = self.catalog.save(name, step)
+        if rec is None:
+            raise CheckpointNotFound(f"job {name!r} has no step {step}")
+        return rec
+
+    # -- aborts, leases, retention -----------------------------------------------------
+    async def _advance_generation(self, job: str, generation: int) -> None:
+        newest = self.catalog.generation(job)
+        if newest is not None and generation < newest:
+            raise StaleGeneration(f"job {job!r}: generation {generation} is older than {newest}")
+        if newest is None or generation > newest:
+            await self.catalog.write(
+                "INSERT OR REPLACE INTO jobs (job, generation) VALUES (?, ?)", (job, generation)
+            )
+            for (j, _), s in list(self.sessions.items()):
+                if j == job and s.generation < generation and s.status == OPEN:
+                    await self._abort(
+                        s, f"superseded by generation {generation} (the job restarted)"
+                    )
+
+    async def _abort(self, s: Session, reason: str, kind: type[CkptError] = SaveAborted) -> None:
+        if s.status in (COMMITTED, ABORTED):
+            return
+        log.warning(
+            "aborting job %s step %d generation %d: %s", s.job, s.step, s.generation, reason
+        )
+        s.fail(reason, kind)
+        if self.sessions.get((s.job, s.step)) is s:
+            del self.sessions[(s.job, s.step)]
+        await self.catalog.write(
+            "UPDATE saves SET status=?, reason=?, draft=NULL WHERE job=? AND step=? AND generation=?",
+            (ABORTED, reason[:4000], s.job, s.step, s.generation),
+        )
+        await self.catalog.write(
+            "DELETE FROM reports WHERE job=? AND step=? AND generation=?",
+            (s.job, s.step, s.generation),
+        )
+        self._spawn(
+            asyncio.to_thread(
+                self._remove_generation_files, s.job, s.step, s.generation, s.world_size
+            )
+        )
+
+    def _remove_generation_files(
+        self, job: str, step: int, generation: int, world_size: int
+    ) -> None:
+        """Remove an aborted save's files; only its own generation's, never a manifest."""
+        st = self.storage(job)
+        sdir = layout.step_dir(step)
+        if st.exists(f"{sdir}/{layout.MANIFEST_NAME}"):
+            return
+        for r in range(world_size):
+            for name in (layout.shard_name(r, generation), layout.index_name(r, generation)):
+                try:
+                    st.remove_tree(f"{sdir}/{name}")
+                except OSError as e:
+                    log.warning("could not remove %s/%s/%s: %s", st.url, sdir, name, e)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, min(self.lease_s, self.barrier_timeout_s) / 4))
+            t = time.monotonic()
+            for s in list(self.sessions.values()):
+                if s.status != OPEN:
+                    continue
+                if s.assignment is None:
+                    if t > s.barrier_deadline:
+                        missing = [
+                            r
+                            for r in range(s.world_size)
+                            if r not in s.plans or not s.plans[r].complete
+                        ]
+                        await self._abort(
+                            s, f"ranks {_ranks(missing)} did not join within the barrier timeout"
+                        )
+                    continue
+                silent = [
+                    r
+                    for r in range(s.world_size)
+                    if r not in s.reports and t - s.last_seen.get(r, s.created) > self.lease_s
+                ]
+                if silent:
+                    await self._abort(
+                        s,
+                        f"rank(s) {_ranks(silent)} silent for over {self.lease_s:.0f}s (lease expired; the process died or hung)",
+                    )
+
+    async def _retention(self, job: str, keep_last: int) -> None:
+        committed = [r.step for r in self.catalog.saves(job, COMMITTED)]
+        if len(committed) <= keep_last:
+            return
+        newest = committed[-1]
+        for step in committed[:-keep_last]:
+            if step >= newest:
+                continue
+            try:
+                await asyncio.to_thread(ckfmt.remove_step, self.storage(job), step)
+            except OSError as e:
+                log.warning("retention: could not remove job %s step %d: %s", job, step, e)
+                continue
+            await self.catalog.write("DELETE FROM saves WHERE job=? AND step=?", (job, step))
+
+    # -- recovery ----------------------------------------------------------------------
+    async def recover(self) -> None:
+        """Finish or abort what a previous life of the coordinator left open."""
+        if self.catalog.created:
+            await asyncio.to_thread(self.rebuild_from_storage)
+        for rec in self.catalog.saves():
+            if rec.status not in (OPEN, COMMITTING):
+                continue
+            full = self.catalog.save(rec.job, rec.step)
+            assert full is not None
+            try:
+                outcome = await asyncio.to_thread(self._recover_one, full)
+            except (CkptError, OSError, ValueError) as e:
+                outcome = (
+                    ABORTED,
+                    f"coordinator restarted; could not complete the save: {e}",
+                    "",
+                    0,
+                )
+            status, reason, digest, total = outcome
+            await self.catalog.write(
+                "UPDATE saves SET status=?, reason=?, manifest_blake3=?, bytes=?, committed_unix=?, draft=NULL "
+                "WHERE job=? AND step=?",
+                (
+                    status,
+                    reason,
+                    digest,
+                    total,
+                    now() if status == COMMITTED else 0,
+                    rec.job,
+                    rec.step,
+                ),
+            )
+            await self.catalog.write(
+                "DELETE FROM reports WHERE job=? AND step=? AND generation=?",
+                (rec.job, rec.step, rec.generation),
+            )
+            if status == ABORTED:
+                await asyncio.to_thread(
+                    self._remove_generation_files, rec.job, rec.step, rec.generation, rec.world_size
+                )
+            log.warning("recovered job %s step %d: %s %s", rec.job, rec.step, status, reason)
+
+    def _recover_one(self, rec: SaveRecord) -> tuple[str, str, str, int]:
+        st = self.storage(rec.job)
+        mpath = f"{layout.step_dir(rec.step)}/{layout.MANIFEST_NAME}"
+        if st.exists(mpath):
+            data = st.read_bytes(mpath, limit=1 << 30)
+            m = ckfmt.read_manifest(st, rec.step)
+            return COMMITTED, "", hashing.digest(data), sum(s.size for s in m.shards)
+        reports = self.catalog.reports(rec.job, rec.step, rec.generation)
+        if rec.draft is None or len(reports) != rec.world_size:
+            return (
+                ABORTED,
+                (
+                    f"coordinator restarted during the save ({len(reports)} of {rec.world_size} shards reported)"
+                ),
+                "",
+                0,
+            )
+        draft = json.loads(rec.draft)
+        shards = [
+            ShardInfo(
+                r,
+                rep["shard_path"],
+                rep["size"],
+                rep["index_path"],
+                rep["index_size"],
+                rep["index_blake3"],
+            )
+            for r, rep in sorted(reports.items())
+        ]
+        m = Manifest(
+            job=rec.job,
+            step=rec.step,
+            generation=rec.generation,
+            world_size=rec.world_size,
+            block_size=_shard_block_size(st, rec.step, shards),
+            alignment=4096,
+            shards=shards,
+            state=draft["state"],
+            metadata=draft["metadata"],
+        )
+        data = ckfmt.commit(st, m)
+        return (
+            COMMITTED,
+            "completed after a coordinator restart",
+            hashing.digest(data),
+            sum(s.size for s in shards),
+        )
+
+    def rebuild_from_storage(self) -> int:
+        """Recreate catalog rows from the manifests under the root (promise 6)."""
+        n = 0
+        for job in _find_jobs(self.root) if "://" not in self.root else []:
+            st = self.storage(job)
+            gen = 0
+            for info in ckfmt.list_steps(st):
+                if info.manifest is None:
+                    continue
+                m = info.manifest
+                data = st.read_bytes(
+                    f"{layout.step_dir(m.step)}/{layout.MANIFEST_NAME}", limit=1 << 30
+                )
+                self.catalog.execute(
+                    "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, bytes, created_unix, "
+                    "committed_unix, manifest_blake3) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        job,
+                        m.step,
+                        m.generation,
+                        m.world_size,
+                        COMMITTED,
+                        sum(s.size for s in m.shards),
+                        m.created_unix,
+                        m.created_unix,
+                        hashing.digest(data),
+                    ),
+                )
+                gen = max(gen, m.generation)
+                n += 1
+            if self.catalog.generation(job) is None and n:
+                self.catalog.execute(
+                    "INSERT OR REPLACE INTO jobs (job, generation) VALUES (?, ?)", (job, gen)
+                )
+        return n
+
+
+def _find_jobs(root: str, max_depth: int = 6) -> list[str]:
+    """Directories under root that contain step-* directories (a job)."""
+    jobs = []
+    for dirpath, dirnames, _ in os.walk(root):
+        depth = os.path.relpath(dirpath, root).count("/")
+        if any(layout.parse_step_dir(d) is not None for d in dirnames):
+            rel = os.path.relpath(dirpath, root)
+            if rel != ".":
+                jobs.append(rel)
+        dirnames[:] = [
+            d
+            for d in dirnames
+            if layout.parse_step_dir(d) is None and not d.startswith(".") and depth < max_depth
+        ]
+    return sorted(jobs)
+
+
+def _index_block_size(data: bytes) -> int:
+    try:
+        doc = json.loads(data)
+        b = int(doc["block_size"])
+    except (ValueError, KeyError, TypeError):
+        raise CkptError("shard index is not valid JSON with a block_size") from None
+    return b
+
+
+def _shard_block_size(st: Storage, step: int, shards: list[ShardInfo]) -> int:
+    sizes = set()
+    for sh in shards:
+        data = st.read_bytes(f"{layout.step_dir(step)}/{sh.index}", limit=sh.index_size)
+        sizes.add(_index_block_size(data))
+    if len(sizes) != 1:
+        raise CkptError(
+            f"step {step}: ranks used different hash block sizes {sorted(sizes)}; set CKPT_BLOCK_SIZE equally on every rank"
+        )
+    return sizes.pop()
+
+
+def _chunks_json(chunks: dict[int, list[planning.ChunkPlan]]) -> dict[str, int]:
+    return {str(r): len(c) for r, c in chunks.items()}
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (
+        f" (+{len(ranks) - 16} more)" if len(ranks) > 16 else ""
+    )

@@ -1,0 +1,106 @@
+"""Protobuf <-> coordinator-core types, in one place (the servicers only call these)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ckptd.coordinator import core
+from ckptd.coordinator.catalog import SaveRecord
+from ckptd.coordinator.planning import ChunkPlan
+from ckptd.errors import InvalidRequest
+from ckptd.v1 import coordinator_pb2 as pb
+
+MAX_JSON_BYTES = 4 << 20
+
+STATUS_TO_PB = {
+    core.OPEN: pb.OPEN,
+    core.COMMITTING: pb.COMMITTING,
+    core.COMMITTED: pb.COMMITTED,
+    core.ABORTED: pb.ABORTED,
+}
+STATUS_FROM_PB = {v: k for k, v in STATUS_TO_PB.items()}
+
+
+def ref_from_pb(ref: pb.SaveRef) -> core.SaveRef:
+    return core.SaveRef(ref.job, ref.step, ref.generation, ref.rank, ref.world_size)
+
+
+def ref_to_pb(ref: core.SaveRef) -> pb.SaveRef:
+    return pb.SaveRef(
+        job=ref.job,
+        step=ref.step,
+        generation=ref.generation,
+        rank=ref.rank,
+        world_size=ref.world_size,
+    )
+
+
+def chunk_from_pb(c: pb.Chunk) -> ChunkPlan:
+    return ChunkPlan(
+        key=c.key,
+        dtype=c.dtype,
+        shape=tuple(c.shape),
+        chunk_offsets=tuple(c.chunk_offsets),
+        chunk_sizes=tuple(c.chunk_sizes),
+        length=c.length,
+        blake3=c.blake3,
+    )
+
+
+def chunk_to_pb(c: ChunkPlan) -> pb.Chunk:
+    return pb.Chunk(
+        key=c.key,
+        dtype=c.dtype,
+        shape=c.shape,
+        chunk_offsets=c.chunk_offsets,
+        chunk_sizes=c.chunk_sizes,
+        length=c.length,
+        blake3=c.blake3,
+    )
+
+
+def json_field(data: bytes, what: str) -> Any:
+    if not data:
+        return None
+    if len(data) > MAX_JSON_BYTES:
+        raise InvalidRequest(f"{what} is {len(data)} bytes, over {MAX_JSON_BYTES}")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"{what} is not valid JSON: {e}") from None
+
+
+def status_to_pb(r: core.StatusResult) -> pb.SaveStatus:
+    return pb.SaveStatus(
+        status=STATUS_TO_PB.get(r.status, pb.STATUS_UNSPECIFIED),
+        reason=r.reason,
+        manifest_blake3=r.manifest_blake3,
+    )
+
+
+def status_from_pb(s: pb.SaveStatus) -> core.StatusResult:
+    return core.StatusResult(
+        STATUS_FROM_PB.get(s.status, "UNSPECIFIED"), s.reason, s.manifest_blake3
+    )
+
+
+def record_to_pb(r: SaveRecord) -> pb.CheckpointInfo:
+    return pb.CheckpointInfo(
+        job=r.job,
+        step=r.step,
+        generation=r.generation,
+        world_size=r.world_size,
+        status=STATUS_TO_PB.get(r.status, pb.STATUS_UNSPECIFIED),
+        reason=r.reason,
+        bytes=r.bytes,
+        created_unix=r.created_unix,
+        committed_unix=r.committed_unix,
+        manifest_blake3=r.manifest_blake3,
+    )
+
+
+def report_from_pb(req: pb.ReportShardRequest) -> core.ShardReport:
+    return core.ShardReport(
+        req.shard_path, req.size, req.index_path, req.index_size, req.index_blake3, req.verify
+    )

@@ -1,0 +1,121 @@
+"""grpc.aio servicer: convert the request, call the core, convert the answer."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from ckptd.coordinator.core import Coordinator
+from ckptd.errors import CkptError
+from ckptd.server import converters as cv
+from ckptd.server.errors import code_for
+from ckptd.v1 import coordinator_pb2 as pb
+from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("ckptd.server")
+R = TypeVar("R")
+
+
+def _translated(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """Map ckptd errors to status codes; anything unexpected is INTERNAL and logged."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await fn(self, request, context)
+        except (CkptError, ValueError) as e:
+            await context.abort(code_for(e), str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            log.exception("%s failed", fn.__name__)
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error: {type(e).__name__}: {e}"
+            )
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, core: Coordinator):
+        self.core = core
+
+    @_translated
+    async def OpenJob(
+        self, request: pb.OpenJobRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenJobResponse:
+        generation, job = await self.core.open_job(request.job, request.attempt)
+        return pb.OpenJobResponse(generation=generation, job=job)
+
+    @_translated
+    async def BeginSave(
+        self, request: pb.BeginSaveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BeginSaveResponse:
+        r = await self.core.begin_save(
+            cv.ref_from_pb(request.ref),
+            [cv.chunk_from_pb(c) for c in request.chunks],
+            part=request.part,
+            parts=max(1, request.parts),
+            state=cv.json_field(request.state, "state"),
+            metadata=cv.json_field(request.metadata, "metadata") or {},
+            allow_divergent=request.allow_divergent_replicas,
+            keep_last=request.keep_last,
+            timeout_s=request.timeout_ms / 1000 if request.timeout_ms else None,
+        )
+        return pb.BeginSaveResponse(
+            shard_path=r.shard_path,
+            index_path=r.index_path,
+            write=r.write,
+            lease_ms=int(r.lease_s * 1000),
+            warnings=r.warnings,
+            complete=r.complete,
+        )
+
+    @_translated
+    async def KeepAlive(
+        self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SaveStatus:
+        return cv.status_to_pb(await self.core.keep_alive(cv.ref_from_pb(request.ref)))
+
+    @_translated
+    async def ReportShard(
+        self, request: pb.ReportShardRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SaveStatus:
+        return cv.status_to_pb(
+            await self.core.report_shard(cv.ref_from_pb(request.ref), cv.report_from_pb(request))
+        )
+
+    @_translated
+    async def AwaitCommit(
+        self, request: pb.AwaitCommitRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SaveStatus:
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+        return cv.status_to_pb(await self.core.await_commit(cv.ref_from_pb(request.ref), timeout))
+
+    @_translated
+    async def AbortSave(
+        self, request: pb.AbortSaveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SaveStatus:
+        return cv.status_to_pb(
+            await self.core.abort_save(cv.ref_from_pb(request.ref), request.reason)
+        )
+
+    @_translated
+    async def ListCheckpoints(
+        self, request: pb.ListCheckpointsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListCheckpointsResponse:
+        return pb.ListCheckpointsResponse(
+            checkpoints=[cv.record_to_pb(r) for r in self.core.list_checkpoints(request.job)]
+        )
+
+    @_translated
+    async def GetCheckpoint(
+        self, request: pb.GetCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CheckpointInfo:
+        step = request.step if request.WhichOneof("which") == "step" else None
+        return cv.record_to_pb(self.core.get_checkpoint(request.job, step))

@@ -1,0 +1,185 @@
+"""The gRPC client of the coordinator: deadlines, retries, errors that name the save.
+
+Synchronous on purpose: a training process has no event loop of its own to lend, and
+every call here is a short control message. UNAVAILABLE (coordinator restarting, network
+blip) is retried with exponential backoff until the call's overall deadline; every other
+failure becomes the matching ckptd error, prefixed with job, step and rank.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from ckptd.coordinator.core import BeginResult, SaveRef, ShardReport, StatusResult
+from ckptd.coordinator.planning import ChunkPlan
+from ckptd.errors import CkptError, CoordinatorUnavailable
+from ckptd.server import converters as cv
+from ckptd.server.errors import error_from
+from ckptd.v1 import coordinator_pb2 as pb
+from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+PLAN_PART_CHUNKS = 10_000  # ~1-1.5 MiB per BeginSave part, well under the 4 MiB default
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class CoordinatorClient:
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        client_cert: tuple[bytes, bytes] | None = None,  # (key, cert) for mutual TLS
+        call_timeout_s: float = 30.0,
+        retry_for_s: float = 60.0,
+    ):
+        self.address = address
+        opts = [
+            ("grpc.max_receive_message_length", 8 << 20),
+            ("grpc.max_send_message_length", 8 << 20),
+            ("grpc.enable_retries", 0),  # retries are ours, with deadlines that know the save
+        ]
+        if root_certificates is not None or client_cert is not None:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=root_certificates,
+                private_key=client_cert[0] if client_cert else None,
+                certificate_chain=client_cert[1] if client_cert else None,
+            )
+            self._channel = grpc.secure_channel(address, creds, options=opts)
+        else:
+            self._channel = grpc.insecure_channel(address, options=opts)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.call_timeout_s = call_timeout_s
+        self.retry_for_s = retry_for_s
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(
+        self, what: str, fn: Callable[..., T], request: Any, *, timeout_s: float | None = None
+    ) -> T:
+        timeout = timeout_s or self.call_timeout_s
+        give_up = time.monotonic() + max(self.retry_for_s, timeout)
+        delay = 0.05
+        while True:
+            try:
+                return fn(request, timeout=timeout, metadata=self._metadata)
+            except grpc.RpcError as e:
+                code = e.code()
+                details = e.details() or str(code)
+                if code in RETRYABLE and time.monotonic() + delay < give_up:
+                    time.sleep(delay * (0.5 + random.random()))  # noqa: S311 - jitter, not crypto
+                    delay = min(delay * 2, 2.0)
+                    continue
+                if code in RETRYABLE or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise CoordinatorUnavailable(
+                        f"{what}: coordinator {self.address} unreachable or too slow ({code.name}: {details}); "
+                        "check that it runs (CKPTD_ADDRESS) and that this host can reach it"
+                    ) from None
+                raise error_from(code, f"{what}: {details}") from None
+
+    # -- RPCs --------------------------------------------------------------------------
+    def open_job(self, job: str, attempt: str) -> tuple[int, str]:
+        r = self._call(
+            f"job {job!r}", self._stub.OpenJob, pb.OpenJobRequest(job=job, attempt=attempt)
+        )
+        return r.generation, r.job
+
+    def begin_save(
+        self,
+        ref: SaveRef,
+        chunks: Sequence[ChunkPlan],
+        *,
+        state: Any,
+        metadata: dict[str, Any] | None,
+        allow_divergent: bool,
+        keep_last: int,
+        timeout_s: float,
+    ) -> BeginResult:
+        what = _what(ref)
+        parts = max(1, -(-len(chunks) // PLAN_PART_CHUNKS))
+        r = None
+        for part in range(parts):
+            last = part == parts - 1
+            req = pb.BeginSaveRequest(
+                ref=cv.ref_to_pb(ref),
+                chunks=[
+                    cv.chunk_to_pb(c)
+                    for c in chunks[part * PLAN_PART_CHUNKS : (part + 1) * PLAN_PART_CHUNKS]
+                ],
+                part=part,
+                parts=parts,
+                state=json.dumps(state, separators=(",", ":")).encode() if last else b"",
+                metadata=json.dumps(metadata or {}).encode() if last else b"",
+                allow_divergent_replicas=allow_divergent,
+                keep_last=keep_last,
+                timeout_ms=int(timeout_s * 1000),
+            )
+            # The last part waits at the barrier for every rank.
+            r = self._call(
+                what, self._stub.BeginSave, req, timeout_s=timeout_s + 30 if last else None
+            )
+        assert r is not None
+        if not r.complete:
+            raise CkptError(f"{what}: the coordinator did not accept the whole plan")
+        return BeginResult(
+            r.shard_path,
+            r.index_path,
+            list(r.write),
+            r.lease_ms / 1000,
+            list(r.warnings),
+            r.complete,
+        )
+
+    def keep_alive(self, ref: SaveRef) -> StatusResult:
+        return cv.status_from_pb(
+            self._call(_what(ref), self._stub.KeepAlive, pb.KeepAliveRequest(ref=cv.ref_to_pb(ref)))
+        )
+
+    def report_shard(self, ref: SaveRef, report: ShardReport) -> StatusResult:
+        req = pb.ReportShardRequest(
+            ref=cv.ref_to_pb(ref),
+            shard_path=report.shard_path,
+            size=report.size,
+            index_path=report.index_path,
+            index_size=report.index_size,
+            index_blake3=report.index_blake3,
+            verify=report.verify,
+        )
+        return cv.status_from_pb(self._call(_what(ref), self._stub.ReportShard, req, timeout_s=120))
+
+    def await_commit(self, ref: SaveRef, timeout_s: float) -> StatusResult:
+        req = pb.AwaitCommitRequest(ref=cv.ref_to_pb(ref), timeout_ms=int(timeout_s * 1000))
+        return cv.status_from_pb(
+            self._call(_what(ref), self._stub.AwaitCommit, req, timeout_s=timeout_s + 30)
+        )
+
+    def abort_save(self, ref: SaveRef, reason: str) -> StatusResult:
+        req = pb.AbortSaveRequest(ref=cv.ref_to_pb(ref), reason=reason[:2000])
+        return cv.status_from_pb(self._call(_what(ref), self._stub.AbortSave, req, timeout_s=10))
+
+    def list_checkpoints(self, job: str) -> list[pb.CheckpointInfo]:
+        r = self._call(
+            f"job {job!r}", self._stub.ListCheckpoints, pb.ListCheckpointsRequest(job=job)
+        )
+        return list(r.checkpoints)
+
+    def get_checkpoint(self, job: str, step: int | None = None) -> pb.CheckpointInfo:
+        req = (
+            pb.GetCheckpointRequest(job=job, step=step)
+            if step is not None
+            else pb.GetCheckpointRequest(job=job, latest=True)
+        )
+        return self._call(f"job {job!r}", self._stub.GetCheckpoint, req)
+
+
+def _what(ref: SaveRef) -> str:
+    return f"job {ref.job!r} step {ref.step} rank {ref.rank}/{ref.world_size} generation {ref.generation}"

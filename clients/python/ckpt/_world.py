@@ -1,0 +1,64 @@
+"""Who am I in the job: rank, world size, attempt, and how to find the coordinator.
+
+Rank and world size come from torch.distributed when it is initialized, else from the
+RANK / WORLD_SIZE environment (torchrun sets them), else 1 process.
+
+The attempt names one launch of the job (a torchelastic restart is a new attempt); the
+coordinator maps it to a generation, so a rank of an earlier attempt is fenced. It is,
+in order: the user's `attempt=`, $CKPT_ATTEMPT, torchelastic's run id + restart count,
+or, for one process, a fresh random id (every process is its own attempt).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+
+def rank_and_world() -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except ImportError:  # pragma: no cover - torch without distributed
+        pass
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ValueError(
+            f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} are not integers"
+        ) from None
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
+    return rank, world
+
+
+def attempt_id(explicit: str | None, world: int) -> str | None:
+    """The attempt name, or None when the ranks must agree on one through the store."""
+    if explicit:
+        return explicit
+    env = os.environ.get("CKPT_ATTEMPT")
+    if env:
+        return env
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is not None:
+        return f"{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if world == 1:
+        return f"process-{uuid.uuid4()}"
+    return None
+
+
+def dist_store() -> object | None:
+    """torch.distributed's key-value store when a process group exists (not a collective)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            return _get_default_store()
+    except (ImportError, RuntimeError, ValueError):
+        return None
+    return None
