@@ -34,6 +34,7 @@ from ckptd.errors import (
     StaleGeneration,
     UnsafePath,
 )
+from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout, values
 from ckptd.format.manifest import Manifest, ShardInfo, parse_index
@@ -388,6 +389,7 @@ class Coordinator:
         for r in range(s.world_size):
             s.last_seen.setdefault(r, now_m)
             s.last_seen[r] = max(s.last_seen[r], now_m)
+        crash_point("coordinator.after_barrier")
         if not s.planned.done():
             s.planned.set_result(None)
 
@@ -541,6 +543,7 @@ class Coordinator:
         except OSError as e:
             await self._abort(s, f"commit failed: {e}")
             return
+        crash_point("coordinator.after_manifest_rename")
         digest = hashing.digest(data)
         s.manifest_blake3 = digest
         total = sum(x.size for x in shards)
@@ -553,6 +556,7 @@ class Coordinator:
             "DELETE FROM reports WHERE job=? AND step=? AND generation=?",
             (s.job, s.step, s.generation),
         )
+        crash_point("coordinator.after_catalog_commit")
         s.status = COMMITTED
         if not s.done.done():
             s.done.set_result(StatusResult(COMMITTED, "", digest))
@@ -697,6 +701,7 @@ class Coordinator:
         for step in committed[:-keep_last]:
             if step >= newest:
                 continue
+            crash_point("coordinator.during_retention")
             try:
                 await asyncio.to_thread(ckfmt.remove_step, self.storage(job), step)
             except OSError as e:

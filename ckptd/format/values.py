@@ -36,6 +36,8 @@ def encode_scalar(v: Any) -> Any:
     if v is None or isinstance(v, (bool, str)):
         return v
     if isinstance(v, int):
+        if v.bit_length() > 13_000:  # ~3,900 digits, under Python's int<->str limit
+            raise TypeError("int with more than 3,900 digits (store it as str or bytes)")
         return int(v)
     if isinstance(v, float):
         if math.isfinite(v):

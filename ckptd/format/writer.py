@@ -20,6 +20,7 @@ import numpy as np
 
 from ckptd import knobs
 from ckptd.errors import CkptError, CorruptCheckpoint, ShardSizeMismatch, StorageError
+from ckptd.faults import crash_point
 from ckptd.format import hashing, layout
 from ckptd.format.manifest import IndexEntry, ShardIndex, ShardInfo
 from ckptd.storage.base import Piece, Storage, WriteHandle
@@ -247,6 +248,7 @@ def _write_window(
     progress: Callable[[int], None] | None,
 ) -> None:
     handle.write(offset, length, pieces)
+    crash_point("rank.mid_write")
     if progress is not None:
         progress(length)
 

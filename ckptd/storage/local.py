@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ckptd.errors import InvalidManifest, ShardMissing, StorageError, UnsafePath
+from ckptd.faults import crash_point
 from ckptd.format.layout import check_relative
 from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
 
@@ -369,6 +370,8 @@ class LocalStorage(Storage):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if os.path.basename(full) == "MANIFEST.json":
+                crash_point("coordinator.mid_manifest")
             os.rename(tmp, full)
             _fsync_dir(os.path.dirname(full))
         except OSError as e:

@@ -8,6 +8,7 @@ A failed save removes what it wrote and leaves earlier checkpoints untouched.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -18,7 +19,7 @@ from typing import Any
 from ckpt._flatten import flatten
 from ckpt._restore import Planner
 from ckptd import knobs
-from ckptd.errors import CkptError, UnsupportedValue
+from ckptd.errors import UnsupportedValue
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout
 from ckptd.format.manifest import Manifest
@@ -106,10 +107,10 @@ def save(
     layout.check_step(step)
     meta = _check_metadata(metadata)
     rank, world = _world()
-    if world != 1:
-        raise CkptError(
-            f"job {os.fspath(path)!r} step {step}: rank {rank} of {world}: multi-rank saves need the "
-            "ckptd coordinator, which this version does not include yet; save from one process"
+    if world != 1 or os.environ.get("CKPTD_ADDRESS"):
+        # Many ranks (or a configured service): go through the coordinator.
+        return _checkpointer_for(path, keep_last=keep_last, verify=verify).save(
+            state, step, metadata=meta
         )
     node, leaves = flatten(state)
     storage = open_storage(path, create=True)
@@ -175,6 +176,28 @@ def save(
     return result
 
 
+_checkpointers: dict[tuple[str, int | None, str], Any] = {}
+
+
+def _checkpointer_for(path: PathLike, *, keep_last: int | None, verify: str) -> Any:
+    """One Checkpointer per job for module-level calls, closed at exit."""
+    from ckpt._checkpointer import Checkpointer
+
+    k = (os.path.realpath(os.fspath(path)), keep_last, verify)
+    cp = _checkpointers.get(k)
+    if cp is None:
+        if not _checkpointers:
+            atexit.register(_close_checkpointers)
+        cp = _checkpointers[k] = Checkpointer(path, keep_last=keep_last, verify=verify)
+    return cp
+
+
+def _close_checkpointers() -> None:
+    for cp in _checkpointers.values():
+        cp.close()
+    _checkpointers.clear()
+
+
 def apply_retention(storage: Storage, keep_last: int) -> list[int]:
     """Remove committed steps beyond the newest `keep_last`, and debris older than the newest.
 
@@ -214,7 +237,7 @@ def load(
     t0 = time.perf_counter()
     storage = open_storage(path)
     ck = ckfmt.open_checkpoint(storage, step)
-    planner = Planner(ck, strict=strict)
+    planner = Planner(ck, strict=strict, rank=_world()[0])
     restored = planner.restore(ck.manifest.state, state, "")
     planner.check()
     nbytes = planner.read(threads=io_threads)

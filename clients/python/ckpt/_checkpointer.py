@@ -30,6 +30,7 @@ from ckpt._transport import CoordinatorClient
 from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.errors import CkptError, SaveAborted, SaveFailed
+from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
 from ckptd.format.writer import ShardWriteStats, WriteItem, hash_items, write_shard
@@ -154,6 +155,7 @@ class Checkpointer:
             )
             for leaf in leaves
         ]
+        crash_point("rank.after_stage")
         digests = hash_items(items)
         plan = [
             ChunkPlan(
@@ -200,7 +202,9 @@ class Checkpointer:
             report = ShardReport(
                 info.path, info.size, info.index, info.index_size, info.index_blake3, self.verify
             )
+            crash_point("rank.before_report")
             status = self.client.report_shard(ref, report)
+            crash_point("rank.after_report")
             if status.status != "ABORTED":
                 status = self.client.await_commit(ref, self.timeout_s)
         except BaseException as e:

@@ -22,6 +22,7 @@ import torch
 
 from ckptd.errors import UnsupportedValue
 from ckptd.format import dtypes, values
+from ckptd.format.manifest import MAX_KEY_LEN
 
 
 @dataclasses.dataclass
@@ -82,7 +83,20 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
         t = t.resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
+    return flat_view(t).view(torch.uint8).numpy()
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D stride-1 view of a contiguous tensor's elements (same memory).
+
+    torch calls a tensor contiguous while ignoring strides of size-1 dims, so reshape(-1)
+    can keep an odd stride (a column of a 1-row matrix); as_strided fixes it, which is
+    exact because a contiguous tensor's elements are dense and in order.
+    """
+    flat = t.reshape(-1)
+    if flat.numel() <= 1 and flat.stride() != (1,):
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat
 
 
 def _numpy_dtype_name(a: np.ndarray) -> str | None:
@@ -105,6 +119,11 @@ class _Flattener:
 
     def unique_key(self, path: list[str]) -> str:
         key = "/".join(path) or "."
+        if "\0" in key or len(key) > MAX_KEY_LEN - 16:
+            raise UnsupportedValue(
+                f"state key {key[:120]!r}: keys must be under {MAX_KEY_LEN - 16} characters and "
+                "contain no NUL; rename the dict keys on this path"
+            )
         if key in self.keys:
             n = 1
             while f"{key}#{n}" in self.keys:
@@ -115,6 +134,11 @@ class _Flattener:
 
     def walk(self, obj: Any, path: list[str], seen: set[int]) -> Any:
         where = "/".join(path) or "<root>"
+        if len(path) > values.MAX_DEPTH // 2:
+            raise UnsupportedValue(
+                f"state key {where[:200]!r}: nested deeper than {values.MAX_DEPTH // 2} levels; "
+                "flatten the structure"
+            )
         if isinstance(obj, torch.Tensor):
             return {"tensor": self.tensor(obj, path, where)}
         if isinstance(obj, np.ndarray):
@@ -149,7 +173,9 @@ class _Flattener:
             return {"tuple" if isinstance(obj, tuple) else "list": children}
         try:
             return values.encode_scalar(obj)
-        except TypeError:
+        except TypeError as e:
+            if isinstance(obj, int):
+                raise UnsupportedValue(f"state key {where!r}: {e}") from None
             raise UnsupportedValue(
                 f"state key {where!r}: cannot store a value of type {type(obj).__module__}."
                 f"{type(obj).__qualname__}. ckptd stores tensors, numpy arrays, None, bool, int, "

@@ -62,9 +62,15 @@ class Planner:
             return values.decode_scalar(node)
         if tag == "tensor":
             return self._tensor(body, target, path)
-        if tag in ("ndarray", "npscalar"):
-            arr = self._ndarray(body, target, path)
-            return arr[()] if tag == "npscalar" else arr
+        if tag == "ndarray":
+            return self._ndarray(body, target, path)
+        if tag == "npscalar":
+            # A numpy scalar is an immutable value, not a buffer to fill later: read its
+            # few bytes (verified) now, while planning.
+            arr = self._ndarray(body, None, path)
+            dest = self.dests.pop(body)
+            self._read_now(body, dest)
+            return arr[()]
         if tag == "stateful":
             if target is not None and is_stateful(target):
                 sub = self.restore(body, target.state_dict(), path)
@@ -222,6 +228,17 @@ class Planner:
                 f"{self.ckpt.storage.url} step {self.ckpt.step}: the state does not match the "
                 "checkpoint; nothing was loaded:\n  " + "\n  ".join(lines)
             )
+
+    def _read_now(self, key: str, dest: _Dest) -> None:
+        chunk = self.ckpt.chunks[key][0]
+        read_entries(
+            self.ckpt.storage,
+            self.ckpt.shard_path(chunk.shard),
+            [chunk.entry],
+            self.ckpt.manifest.block_size,
+            sink=lambda i, start, data: copy_into(dest.bytes[start:], data),
+            cold=False,
+        )
 
     def read(self, threads: int | None = None) -> int:
         """Read every planned key, verified; returns bytes read.
