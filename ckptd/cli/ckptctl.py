@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -88,6 +89,52 @@ def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
         else:
             rows.append([str(s.step), s.status, "-", "-", s.error or ""])
     _print_table(rows, ["STEP", "STATUS", "SIZE", "RANKS", "CREATED"])
+    return OK
+
+
+def cmd_list_coordinator(args: argparse.Namespace) -> int:
+    """Steps as the coordinator's catalog sees them, aborted and open saves included."""
+    from ckpt._transport import CoordinatorClient
+
+    client = CoordinatorClient(args.coordinator, token=args.token or os.environ.get("CKPTD_TOKEN"))
+    try:
+        infos = client.list_checkpoints(args.path)
+    finally:
+        client.close()
+    from ckptd.v1 import coordinator_pb2 as pb
+
+    rows = [
+        {
+            "step": i.step,
+            "status": pb.Status.Name(i.status),
+            "generation": i.generation,
+            "world_size": i.world_size,
+            "bytes": i.bytes,
+            "reason": i.reason,
+            "created_unix": i.created_unix,
+        }
+        for i in infos
+    ]
+    if args.json:
+        _emit_json({"path": args.path, "coordinator": args.coordinator, "steps": rows})
+        return OK
+    if not rows:
+        print(f"{args.path}: no saves known to {args.coordinator}")
+        return OK
+    _print_table(
+        [
+            [
+                str(r["step"]),
+                r["status"],
+                human_bytes(r["bytes"]),
+                str(r["world_size"]),
+                str(r["generation"]),
+                r["reason"][:80],
+            ]
+            for r in rows
+        ],
+        ["STEP", "STATUS", "SIZE", "RANKS", "GEN", "REASON"],
+    )
     return OK
 
 
@@ -311,7 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
         return sp
 
-    add("list", "list the steps of a job and their status")
+    sp = add("list", "list the steps of a job and their status")
+    sp.add_argument(
+        "--coordinator",
+        metavar="ADDR",
+        help="ask a running coordinator (shows OPEN and ABORTED saves too)",
+    )
+    sp.add_argument("--token", help="coordinator token (default $CKPTD_TOKEN)")
     sp = add("inspect", "show a committed step's manifest and tensors")
     sp.add_argument("--step", type=int, help="step (default: newest committed)")
     sp = add("verify", "check sizes and blake3 hashes of committed steps")
@@ -346,6 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0) if e.code in (0, None) else USAGE
     try:
+        if args.command == "list" and args.coordinator:
+            return cmd_list_coordinator(args)
         storage = open_storage(args.path)
         if args.command != "gc" and not storage.exists(""):
             print(f"error: {args.path} does not exist", file=sys.stderr)

@@ -15,6 +15,7 @@ open saves.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import logging
@@ -151,6 +152,10 @@ class Coordinator:
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._open_lock = asyncio.Lock()
+        # Sessions that ended recently, so client retries get the same answer.
+        self.finished: collections.OrderedDict[tuple[str, int, int], Session] = (
+            collections.OrderedDict()
+        )
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -235,6 +240,9 @@ class Coordinator:
     def _session(self, ref: SaveRef, job: str) -> Session:
         s = self.sessions.get((job, ref.step))
         if s is None or s.generation != ref.generation:
+            # A retry after the end (a lost reply): answer from the recently finished.
+            s = self.finished.get((job, ref.step, ref.generation))
+        if s is None:
             rec = self.catalog.save(job, ref.step)
             if rec is not None and rec.generation == ref.generation:
                 raise (
@@ -563,7 +571,7 @@ class Coordinator:
         log.info(
             "committed job %s step %d (%d ranks, %.2f GB)", s.job, s.step, s.world_size, total / 1e9
         )
-        self.sessions.pop((s.job, s.step), None)
+        self._finish(s)
         if s.keep_last:
             self._spawn(self._retention(s.job, s.keep_last))
 
@@ -633,8 +641,7 @@ class Coordinator:
             "aborting job %s step %d generation %d: %s", s.job, s.step, s.generation, reason
         )
         s.fail(reason, kind)
-        if self.sessions.get((s.job, s.step)) is s:
-            del self.sessions[(s.job, s.step)]
+        self._finish(s)
         await self.catalog.write(
             "UPDATE saves SET status=?, reason=?, draft=NULL WHERE job=? AND step=? AND generation=?",
             (ABORTED, reason[:4000], s.job, s.step, s.generation),
@@ -648,6 +655,15 @@ class Coordinator:
                 self._remove_generation_files, s.job, s.step, s.generation, s.world_size
             )
         )
+
+    def _finish(self, s: Session) -> None:
+        if self.sessions.get((s.job, s.step)) is s:
+            del self.sessions[(s.job, s.step)]
+        self.finished[(s.job, s.step, s.generation)] = s
+        s.plans.clear()  # plans can be large; the answers (reports, status) are kept
+        s.chunks.clear()
+        while len(self.finished) > 256:
+            self.finished.popitem(last=False)
 
     def _remove_generation_files(
         self, job: str, step: int, generation: int, world_size: int
