@@ -51,6 +51,8 @@ class Knobs:
     # so the disk works while later windows are still being copied and hashed.
     early_writeback: bool = True
     preallocate: bool = False
+    # Keep retired steps' shard files (up to this many per job) to overwrite in later saves.
+    recycle_files: int = 8
     max_manifest_bytes: int = 256 << 20
     max_index_bytes: int = 256 << 20
     max_entries_per_shard: int = 1_000_000
@@ -66,6 +68,7 @@ def _from_env() -> Knobs:
         direct_io=_env_bool("CKPT_DIRECT_IO", d.direct_io),
         early_writeback=_env_bool("CKPT_EARLY_WRITEBACK", d.early_writeback),
         preallocate=_env_bool("CKPT_PREALLOCATE", d.preallocate),
+        recycle_files=_env_int("CKPT_RECYCLE_FILES", d.recycle_files),
         max_manifest_bytes=_env_int("CKPT_MAX_MANIFEST_BYTES", d.max_manifest_bytes),
         max_index_bytes=_env_int("CKPT_MAX_INDEX_BYTES", d.max_index_bytes),
         max_entries_per_shard=_env_int("CKPT_MAX_ENTRIES_PER_SHARD", d.max_entries_per_shard),

@@ -17,7 +17,7 @@ from typing import Any
 
 from ckptd.errors import CkptError
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import layout, values
+from ckptd.format import layout, recycle, values
 from ckptd.storage import Storage, open_storage
 
 OK, PROBLEM, USAGE = 0, 1, 2
@@ -330,6 +330,13 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
             print(
                 f"{'would remove' if args.dry_run else 'removed'} {layout.step_dir(step)} ({why})"
             )
+    pool = [] if args.keep_recycled else storage.listdir(recycle.POOL)
+    for name in pool:
+        if not args.dry_run:
+            storage.remove_tree(f"{recycle.POOL}/{name}")
+    if pool and not args.json:
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{verb} {len(pool)} retired shard file(s) kept for reuse in {recycle.POOL}")
     if args.json:
         _emit_json(
             {
@@ -338,7 +345,7 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
                 "removed": [s for s, _ in sorted(doomed)],
             }
         )
-    elif not doomed:
+    elif not doomed and not pool:
         print("nothing to remove")
     return OK
 
@@ -386,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also remove unfinished steps newer than the newest committed one (only when no save is running)",
     )
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed")
+    sp.add_argument(
+        "--keep-recycled", action="store_true", help="keep retired shard files kept for reuse"
+    )
     return p
 
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ckptd import knobs
 from ckptd.coordinator import planning
 from ckptd.coordinator.catalog import Catalog, SaveRecord, now
 from ckptd.errors import (
@@ -37,7 +38,7 @@ from ckptd.errors import (
 )
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import hashing, layout, values
+from ckptd.format import hashing, layout, recycle, values
 from ckptd.format.manifest import Manifest, ShardInfo, parse_index
 from ckptd.storage import Storage, open_storage
 
@@ -719,7 +720,12 @@ class Coordinator:
                 continue
             crash_point("coordinator.during_retention")
             try:
-                await asyncio.to_thread(ckfmt.remove_step, self.storage(job), step)
+                await asyncio.to_thread(
+                    recycle.retire_step,
+                    self.storage(job),
+                    step,
+                    keep_files=knobs.get().recycle_files,
+                )
             except OSError as e:
                 log.warning("retention: could not remove job %s step %d: %s", job, step, e)
                 continue

@@ -21,7 +21,7 @@ import numpy as np
 from ckptd import knobs
 from ckptd.errors import CkptError, CorruptCheckpoint, ShardSizeMismatch, StorageError
 from ckptd.faults import crash_point
-from ckptd.format import hashing, layout
+from ckptd.format import hashing, layout, recycle
 from ckptd.format.manifest import IndexEntry, ShardIndex, ShardInfo
 from ckptd.storage.base import Piece, Storage, WriteHandle
 
@@ -149,8 +149,12 @@ def write_shard(
             hashes[i][b] = hashing.digest(data[b * block : (b + 1) * block])
 
     storage.makedirs(f"{sdir}/{layout.SHARDS_DIR}")
+    reuse = recycle.take(storage, size) if k.recycle_files > 0 and size else None
     handle = storage.open_write(
-        shard_path, size, preallocate=k.preallocate if preallocate is None else preallocate
+        shard_path,
+        size,
+        preallocate=k.preallocate if preallocate is None else preallocate,
+        reuse=reuse,
     )
     try:
         windows = _windows(items, offsets, size, k.io_window)

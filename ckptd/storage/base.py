@@ -70,7 +70,15 @@ class Storage(abc.ABC):
         """Create a directory (and parents) under the root, durably."""
 
     @abc.abstractmethod
-    def open_write(self, path: str, size: int, *, preallocate: bool = False) -> WriteHandle: ...
+    def open_write(
+        self, path: str, size: int, *, preallocate: bool = False, reuse: str | None = None
+    ) -> WriteHandle:
+        """Create `path` of `size` bytes for positional writes.
+
+        reuse: an existing file to rename into place and overwrite (its blocks are already
+        allocated, which writes faster than a new file); ignored where unsupported or when
+        another writer took it first.
+        """
 
     @abc.abstractmethod
     def open_read(self, path: str, *, cold: bool = False) -> ReadHandle: ...

@@ -86,7 +86,9 @@ class FsspecStorage(Storage):
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(self.full(path), exist_ok=True)
 
-    def open_write(self, path: str, size: int, *, preallocate: bool = False) -> WriteHandle:
+    def open_write(
+        self, path: str, size: int, *, preallocate: bool = False, reuse: str | None = None
+    ) -> WriteHandle:
         return FsspecWriteHandle(self, path, size)
 
     def open_read(self, path: str, *, cold: bool = False) -> ReadHandle:

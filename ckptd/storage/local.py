@@ -82,13 +82,24 @@ def _fsync_dir(path: str) -> None:
 
 
 class LocalWriteHandle(WriteHandle):
-    def __init__(self, storage: LocalStorage, path: str, full: str, size: int, preallocate: bool):
+    def __init__(
+        self,
+        storage: LocalStorage,
+        path: str,
+        full: str,
+        size: int,
+        preallocate: bool,
+        *,
+        recycled: bool = False,
+    ):
         self.path = path
         self.size = size
+        self.recycled = recycled
         self._full = full
         self._dir = os.path.dirname(full)
         self._storage = storage
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW
+        # A recycled file keeps its blocks: no O_TRUNC, and ftruncate only trims the tail.
+        flags = os.O_WRONLY | os.O_CREAT | _O_NOFOLLOW | (0 if recycled else os.O_TRUNC)
         self.direct = False
         fd = -1
         if storage.direct_io and _O_DIRECT and size % ALIGN == 0:
@@ -105,7 +116,11 @@ class LocalWriteHandle(WriteHandle):
                 raise storage.io_error("create", path, e) from e
         self._fd = fd
         try:
-            if preallocate and size:
+            if recycled:
+                os.ftruncate(fd, size)
+                if preallocate and size:
+                    os.posix_fallocate(fd, 0, size)
+            elif preallocate and size:
                 os.posix_fallocate(fd, 0, size)
             else:
                 os.ftruncate(fd, size)
@@ -351,8 +366,19 @@ class LocalStorage(Storage):
         except OSError as e:
             raise self.io_error("mkdir", path, e) from e
 
-    def open_write(self, path: str, size: int, *, preallocate: bool = False) -> WriteHandle:
-        return LocalWriteHandle(self, path, self.full(path), size, preallocate)
+    def open_write(
+        self, path: str, size: int, *, preallocate: bool = False, reuse: str | None = None
+    ) -> WriteHandle:
+        full = self.full(path)
+        recycled = False
+        if reuse is not None:
+            try:
+                self.lstat_regular(reuse, self.full(reuse))
+                os.rename(self.full(reuse), full)  # atomic: two writers never get one file
+                recycled = True
+            except (OSError, ShardMissing, UnsafePath):
+                recycled = False
+        return LocalWriteHandle(self, path, full, size, preallocate, recycled=recycled)
 
     def open_read(self, path: str, *, cold: bool = False) -> ReadHandle:
         return LocalReadHandle(self, path, self.full(path), cold)

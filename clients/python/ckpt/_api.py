@@ -21,7 +21,7 @@ from ckpt._restore import Planner
 from ckptd import knobs
 from ckptd.errors import UnsupportedValue
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import layout
+from ckptd.format import layout, recycle
 from ckptd.format.manifest import Manifest
 from ckptd.format.writer import ShardWriteStats, WriteItem, write_shard
 from ckptd.storage import Storage, open_storage
@@ -214,8 +214,12 @@ def apply_retention(storage: Storage, keep_last: int) -> list[int]:
     newest = committed[-1]
     doomed = committed[:-keep_last]
     doomed += [s.step for s in steps if s.status != ckfmt.COMMITTED and s.step < newest]
+    keep_files = knobs.get().recycle_files
     for step in sorted(doomed):
-        ckfmt.remove_step(storage, step)
+        if step in committed:
+            recycle.retire_step(storage, step, keep_files=keep_files)
+        else:
+            ckfmt.remove_step(storage, step)
     return sorted(doomed)
 
 
