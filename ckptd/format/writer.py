@@ -49,13 +49,13 @@ def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-def plan_offsets(items: Sequence[WriteItem], alignment: int) -> tuple[list[int], int]:
-    """Aligned byte offset of each item, in order, and the padded file size."""
+def plan_offsets(sizes: Sequence[int], alignment: int) -> tuple[list[int], int]:
+    """Aligned byte offset of each entry of the given sizes, in order, and the padded file size."""
     offsets = []
     pos = 0
-    for it in items:
+    for n in sizes:
         offsets.append(pos)
-        pos = _round_up(pos + it.data.nbytes, alignment)
+        pos = _round_up(pos + n, alignment)
     return offsets, pos
 
 
@@ -115,11 +115,16 @@ def write_shard(
     progress: Callable[[int], None] | None = None,
     stats: ShardWriteStats | None = None,
     digests: list[list[str]] | None = None,
+    image: np.ndarray | None = None,
 ) -> ShardInfo:
     """Write, fsync and verify one rank's shard and its index; return what to commit.
 
     On any failure the shard's files are removed and the error names job, step, rank and
     shard file; nothing is left for a commit to pick up.
+
+    image: the whole file's bytes, already laid out (a staging buffer whose items' data are
+    views at their planned offsets, padding zeroed); it is written window by window
+    without assembling, straight from page-aligned memory.
     """
     if verify not in ("full", "size"):
         raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
@@ -130,7 +135,7 @@ def write_shard(
     index_name = layout.index_name(rank, generation)
     shard_path = f"{sdir}/{shard_name}"
     index_path = f"{sdir}/{index_name}"
-    offsets, size = plan_offsets(items, align)
+    offsets, size = plan_offsets([it.data.nbytes for it in items], align)
     ctx = f"job {job!r} step {step} rank {rank} shard {storage.url}/{shard_path}"
     threads = io_threads or k.io_threads
     st = stats if stats is not None else ShardWriteStats()
@@ -157,7 +162,13 @@ def write_shard(
         reuse=reuse,
     )
     try:
-        windows = _windows(items, offsets, size, k.io_window)
+        if image is not None:
+            if image.nbytes != size:
+                raise ValueError(f"staged image is {image.nbytes} bytes, the shard needs {size}")
+            whole = [WriteItem("", "uint8", [size], [0], [size], image)]
+            windows = _windows(whole, [0], size, k.io_window)
+        else:
+            windows = _windows(items, offsets, size, k.io_window)
         groups = [] if precomputed else _hash_groups(items, block, k.io_window)
         with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-write") as pool:
             futures: list[Future[None]] = []

@@ -144,15 +144,16 @@ class LocalWriteHandle(WriteHandle):
 
     def _write_direct(self, offset: int, length: int, pieces: Sequence[Piece]) -> None:
         n = _round_up(length)
-        buf = _bounce.get(n)
-        pos = offset
-        for off, arr in pieces:
-            if off > pos:
-                ctypes.memset(_addr(buf) + (pos - offset), 0, off - pos)
-            copy_into(buf[off - offset :], arr)
-            pos = off + arr.nbytes
-        if offset + n > pos:
-            ctypes.memset(_addr(buf) + (pos - offset), 0, offset + n - pos)
+        if (
+            len(pieces) == 1
+            and pieces[0][0] == offset
+            and pieces[0][1].nbytes == n
+            and _addr(pieces[0][1]) % ALIGN == 0
+        ):
+            # The caller's memory is already the file image, page-aligned: no bounce copy.
+            buf = pieces[0][1]
+        else:
+            buf = self._assemble(offset, n, pieces)
         try:
             done = os.pwrite(self._fd, memoryview(buf), offset)  # type: ignore[arg-type]
         except OSError as e:
@@ -164,6 +165,18 @@ class LocalWriteHandle(WriteHandle):
             return
         if done != n:
             raise OSError(errno.EIO, f"short write: {done} of {n} bytes")
+
+    def _assemble(self, offset: int, n: int, pieces: Sequence[Piece]) -> np.ndarray:
+        buf = _bounce.get(n)
+        pos = offset
+        for off, arr in pieces:
+            if off > pos:
+                ctypes.memset(_addr(buf) + (pos - offset), 0, off - pos)
+            copy_into(buf[off - offset :], arr)
+            pos = off + arr.nbytes
+        if offset + n > pos:
+            ctypes.memset(_addr(buf) + (pos - offset), 0, offset + n - pos)
+        return buf
 
     def _reopen_buffered(self) -> None:
         with self._lock:
