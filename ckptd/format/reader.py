@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ckptd import knobs
+from ckptd import iopool, knobs
 from ckptd.errors import CorruptCheckpoint, HashMismatch, StorageError
 from ckptd.format import hashing
 from ckptd.format.manifest import IndexEntry
@@ -125,19 +124,19 @@ def read_entries(
         return bad
 
     try:
-        with ThreadPoolExecutor(threads or k.io_threads, thread_name_prefix="ckpt-read") as pool:
-            futures = [pool.submit(run, w) for w in windows]
-            first: BaseException | None = None
-            for f in futures:
-                try:
-                    problems.extend(f.result())
-                except BaseException as e:  # noqa: PERF203
-                    if first is None:
-                        first = e
-                        for g in futures:
-                            g.cancel()
-            if first is not None:
-                raise first
+        pool = iopool.executor(threads or k.io_threads)
+        futures = [pool.submit(run, w) for w in windows]
+        first: BaseException | None = None
+        for f in futures:
+            try:
+                problems.extend(f.result())
+            except BaseException as e:  # noqa: PERF203
+                if first is None:
+                    first = e
+                    for g in futures:
+                        g.cancel()
+        if first is not None:
+            raise first
     finally:
         handle.close()
     return problems

@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 
-from ckptd import knobs
+from ckptd import iopool, knobs
 from ckptd.errors import CkptError, CorruptCheckpoint, ShardSizeMismatch, StorageError
 from ckptd.faults import crash_point
 from ckptd.format import hashing, layout, recycle
@@ -170,17 +170,15 @@ def write_shard(
         else:
             windows = _windows(items, offsets, size, k.io_window)
         groups = [] if precomputed else _hash_groups(items, block, k.io_window)
-        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-write") as pool:
-            futures: list[Future[None]] = []
-            for i in range(max(len(windows), len(groups))):
-                if i < len(windows):
-                    w_off, w_len, pieces = windows[i]
-                    futures.append(
-                        pool.submit(_write_window, handle, w_off, w_len, pieces, progress)
-                    )
-                if i < len(groups):
-                    futures.append(pool.submit(hash_group, groups[i]))
-            _wait_all(futures)
+        pool = iopool.executor(threads)
+        futures: list[Future[None]] = []
+        for i in range(max(len(windows), len(groups))):
+            if i < len(windows):
+                w_off, w_len, pieces = windows[i]
+                futures.append(pool.submit(_write_window, handle, w_off, w_len, pieces, progress))
+            if i < len(groups):
+                futures.append(pool.submit(hash_group, groups[i]))
+        _wait_all(futures)
         handle.finish()
     except BaseException as e:
         handle.abort()
@@ -250,8 +248,8 @@ def hash_items(items: Sequence[WriteItem], *, threads: int | None = None) -> lis
         for g in groups:
             run(g)
         return hashes
-    with ThreadPoolExecutor(threads or k.io_threads, thread_name_prefix="ckpt-hash") as pool:
-        _wait_all([pool.submit(run, g) for g in groups])
+    pool = iopool.executor(threads or k.io_threads)
+    _wait_all([pool.submit(run, g) for g in groups])
     return hashes
 
 
