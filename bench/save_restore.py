@@ -1,0 +1,683 @@
+"""Save / restore throughput of ckpt against the machine's limits and its peers.
+
+One run measures, inside every repetition (methods interleaved, so a slow period of the
+disk hits all of them):
+  limits  memcpy, raw write+fsync (buffered / O_DIRECT, new / preallocated / overwritten
+          file), raw cold read (buffered / O_DIRECT), blake3
+  peers   torch.save/load(mmap), safetensors, torch.distributed.checkpoint (DCP)
+  ckpt    save(verify=size), save(size, preallocate), save(verify=full), load, verify
+and prints median GB/s (GB = 1e9 bytes) with the min-max spread, then ckpt's ratios to
+the limits and peers, each a ratio of medians of this run. Every save is durable (fsync);
+every load and read is cold (caches dropped first). Results go to
+bench/results/save_restore-<timestamp>.json.
+
+    .venv/bin/python bench/save_restore.py [--size-gib 2] [--reps 3] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import io
+import os
+import queue
+import resource
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import _common as C
+import blake3
+import numpy as np
+import torch
+
+WRITE_WINDOW = 8 * C.MiB
+READ_WINDOW = 16 * C.MiB
+HASH_BLOCK = 16 * C.MiB
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+# -- the bench: state, destination, raw file layout, outputs of saves ------------------------
+@dataclass
+class Bench:
+    work: Path
+    state: dict[str, Any]
+    desc: dict[str, Any]
+    flat: list[tuple[str, torch.Tensor]] = field(init=False)
+    nbytes: int = field(init=False)
+    offsets: list[int] = field(init=False)  # 4 KiB-aligned file offset of each tensor
+    size: int = field(init=False)  # raw file size (padded)
+    image: np.ndarray = field(init=False)  # page-aligned memory laid out like the raw file
+    dst: dict[str, Any] = field(init=False)  # preallocated destination (views into image)
+    dst_flat: dict[str, torch.Tensor] = field(init=False)
+    windows: list[tuple[int, int, list[tuple[int, np.ndarray]]]] = field(init=False)
+    bufs: queue.SimpleQueue[np.ndarray] = field(init=False)
+    outputs: dict[str, Path] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.flat = C.flat_tensors(self.state)
+        self.nbytes = sum(t.nbytes for _, t in self.flat)
+        pos, self.offsets = 0, []
+        for _, t in self.flat:
+            self.offsets.append(pos)
+            pos = -(-(pos + t.nbytes) // C.ALIGN) * C.ALIGN
+        self.size = pos
+        self.image = C.aligned_buffer(self.size)
+        self.dst_flat = {
+            k: torch.frombuffer(self.image, dtype=t.dtype, count=t.numel(), offset=off).view(
+                t.shape
+            )
+            for (k, t), off in zip(self.flat, self.offsets, strict=True)
+        }
+        self.dst = {"model": {}, "optim": {}}
+        for k, t in self.dst_flat.items():
+            group, name, *moment = k.split("/")
+            if moment:
+                self.dst[group].setdefault(name, {})[moment[0]] = t
+            else:
+                self.dst[group][name] = t
+        self.windows = []
+        src = [C.u8(t) for _, t in self.flat]
+        j = 0
+        for start in range(0, self.size, WRITE_WINDOW):
+            end = min(self.size, start + WRITE_WINDOW)
+            pieces = []
+            while j < len(src) and self.offsets[j] + src[j].nbytes <= start:
+                j += 1
+            k = j
+            while k < len(src) and self.offsets[k] < end:
+                lo, hi = max(start, self.offsets[k]), min(end, self.offsets[k] + src[k].nbytes)
+                if hi > lo:
+                    pieces.append((lo, src[k][lo - self.offsets[k] : hi - self.offsets[k]]))
+                k += 1
+            self.windows.append((start, end - start, pieces))
+        self.bufs = queue.SimpleQueue()
+        for _ in range(4):
+            self.bufs.put(C.aligned_buffer(max(WRITE_WINDOW, READ_WINDOW)))
+
+    # outputs of save methods, consumed by the load methods of the same repetition
+    def need(self, key: str, producer: Callable[[Bench], float]) -> Path:
+        if key not in self.outputs:  # the save was filtered out or failed: make it untimed
+            producer(self)
+        return self.outputs[key]
+
+    def path(self, name: str) -> Path:
+        p = self.work / name
+        C.remove(p)
+        return p
+
+    def poison(self) -> None:
+        self.image.fill(0x5A)
+
+    def check(self) -> None:
+        """The destination holds exactly the state's bytes."""
+        for k, t in self.flat:
+            if not np.array_equal(C.u8(self.dst_flat[k]), C.u8(t)):
+                raise AssertionError(f"{k}: loaded bytes differ from the saved state")
+
+
+class Clock:
+    """Make the disk idle (sync) and the caches cold (drop caches), then time the block.
+
+    cold=False (memcpy, blake3: no I/O) only syncs.
+    """
+
+    def __init__(self, b: Bench, cold: bool = True):
+        self.b = b
+        self.cold = cold
+        self.s = 0.0
+
+    def __enter__(self) -> Clock:
+        if self.cold:
+            self.b.notes["cache_drop"] = C.drop_caches(self.b.work)
+        else:
+            os.sync()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.s = time.perf_counter() - self.t0
+
+
+Method = Callable[[Bench], float]
+REGISTRY: list[tuple[str, str, Method]] = []  # (group, name, fn) in run order
+
+
+def method(group: str, name: str) -> Callable[[Method], Method]:
+    def register(fn: Method) -> Method:
+        REGISTRY.append((group, name, fn))
+        return fn
+
+    return register
+
+
+def pool_map(threads: int, fn: Callable[[Any], None], items: list[Any]) -> None:
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in pool.map(fn, items):
+            pass
+
+
+# -- limits ---------------------------------------------------------------------------------
+@method("limit", "memcpy into preallocated, 2 threads")
+def memcpy(b: Bench) -> float:
+    halves: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[], []]
+    load = [0, 0]
+    for k, t in sorted(b.flat, key=lambda kt: -kt[1].nbytes):
+        i = load.index(min(load))
+        halves[i].append((b.dst_flat[k], t))
+        load[i] += t.nbytes
+
+    def copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for d, s in pairs:
+            d.copy_(s)
+
+    with Clock(b, cold=False) as clk:
+        pool_map(2, copy, halves)
+    return clk.s
+
+
+def _write_window(b: Bench, fd: int, direct: bool, nocopy: bool, w: tuple) -> None:
+    off, length, pieces = w
+    if nocopy:  # O_DIRECT straight from the page-aligned image
+        done = os.pwrite(fd, b.image[off : off + length], off)
+    elif direct:  # copy into this thread's aligned bounce buffer, then write it
+        buf = b.bufs.get()
+        try:
+            for lo, arr in pieces:
+                ctypes.memmove(buf.ctypes.data + lo - off, arr.ctypes.data, arr.nbytes)
+            done = os.pwrite(fd, buf[:length], off)
+        finally:
+            b.bufs.put(buf)
+    else:  # buffered: straight from the tensors' memory, zeros for the alignment gaps
+        iov: list[Any] = []
+        pos = off
+        for lo, arr in pieces:
+            if lo > pos:
+                iov.append(bytes(lo - pos))
+            iov.append(arr)
+            pos = lo + arr.nbytes
+        if off + length > pos:
+            iov.append(bytes(off + length - pos))
+        done = 0
+        for i in range(0, len(iov), 512):  # IOV_MAX is 1024
+            part = iov[i : i + 512]
+            done += os.pwritev(fd, part, off + done)
+    if done != length:
+        raise OSError(f"short write at {off}: {done} of {length} bytes")
+
+
+def raw_write(b: Bench, threads: int, direct: bool, mode: str = "new", nocopy: bool = False):
+    """Write the tensors' bytes (4 KiB-aligned each) to one file in 8 MiB windows, fsync.
+
+    mode "new": a new file, ftruncate'd to its size first (as ckpt does);
+    "fallocate": a new file, posix_fallocate'd first; "overwrite": the blocks of the
+    existing reference file. The written file becomes the reference for the raw reads.
+    """
+    ref = b.work / "raw.bin"
+    if mode == "overwrite" and not ref.exists():
+        raw_write(b, 2, True)
+    path = ref if mode == "overwrite" else b.path("raw-new.bin")
+    flags = os.O_WRONLY | (O_DIRECT if direct else 0)
+    flags |= 0 if mode == "overwrite" else os.O_CREAT | os.O_EXCL
+    with Clock(b) as clk:
+        fd = os.open(path, flags, 0o644)
+        try:
+            if mode == "fallocate":
+                os.posix_fallocate(fd, 0, b.size)
+            elif mode == "new":
+                os.ftruncate(fd, b.size)
+            pool_map(threads, lambda w: _write_window(b, fd, direct, nocopy, w), b.windows)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        C.fsync_dir(b.work)
+    if path != ref:
+        os.replace(path, ref)
+    return clk.s
+
+
+def raw_read(b: Bench, threads: int, direct: bool) -> float:
+    """Cold positional reads of the reference file, 16 MiB windows, into aligned buffers."""
+    ref = b.work / "raw.bin"
+    if not ref.exists():
+        raw_write(b, 2, True)
+
+    def read(off: int) -> None:
+        buf = b.bufs.get()
+        try:
+            n = min(READ_WINDOW, b.size - off)
+            if os.preadv(fd, [buf[:n]], off) != n:
+                raise OSError(f"short read at {off}")
+        finally:
+            b.bufs.put(buf)
+
+    with Clock(b) as clk:
+        fd = os.open(ref, os.O_RDONLY | (O_DIRECT if direct else 0))
+        try:
+            pool_map(threads, read, list(range(0, b.size, READ_WINDOW)))
+        finally:
+            os.close(fd)
+    return clk.s
+
+
+for _t in (1, 2):
+    method("limit", f"raw write new file, buffered, {_t} thr")(
+        lambda b, t=_t: raw_write(b, t, direct=False)
+    )
+    method("limit", f"raw write new file, O_DIRECT, {_t} thr")(
+        lambda b, t=_t: raw_write(b, t, direct=True)
+    )
+method("limit", "raw write new file, O_DIRECT no copy, 2 thr")(
+    lambda b: raw_write(b, 2, direct=True, nocopy=True)
+)
+method("limit", "raw write fallocated file, O_DIRECT, 2 thr")(
+    lambda b: raw_write(b, 2, direct=True, mode="fallocate")
+)
+method("limit", "raw write overwrite blocks, O_DIRECT, 2 thr")(
+    lambda b: raw_write(b, 2, direct=True, mode="overwrite")
+)
+method("limit", "raw cold read, buffered, 2 thr")(lambda b: raw_read(b, 2, direct=False))
+method("limit", "raw cold read, O_DIRECT, 2 thr")(lambda b: raw_read(b, 2, direct=True))
+method("limit", "raw cold read, O_DIRECT, 4 thr")(lambda b: raw_read(b, 4, direct=True))
+
+
+def hash_all(b: Bench, threads: int) -> float:
+    blocks = [
+        v[i : i + HASH_BLOCK]
+        for v in (C.u8(t) for _, t in b.flat)
+        for i in range(0, v.nbytes, HASH_BLOCK)
+    ]
+    with Clock(b, cold=False) as clk:
+        pool_map(threads, lambda v: blake3.blake3(v).digest(), blocks)
+    return clk.s
+
+
+method("limit", "blake3, 1 thread")(lambda b: hash_all(b, 1))
+method("limit", "blake3, 2 threads")(lambda b: hash_all(b, 2))
+
+
+# -- peers ----------------------------------------------------------------------------------
+def copy_tree(src: Any, dst: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+        return
+    for k, d in dst.items():
+        copy_tree(src[k], d)
+
+
+@method("peer", "torch.save + fsync")
+def torch_save(b: Bench) -> float:
+    path = b.path("torch.pt")
+    with Clock(b) as clk:
+        torch.save(b.state, path)
+        C.fsync_tree(path)
+    b.outputs["torch"] = path
+    return clk.s
+
+
+@method("peer", "torch.load(mmap) + copy")
+def torch_load(b: Bench) -> float:
+    path = b.need("torch", torch_save)
+    b.poison()
+    with Clock(b) as clk:
+        loaded = torch.load(path, mmap=True, weights_only=True)
+        copy_tree(loaded, b.dst)
+    del loaded
+    b.check()
+    C.remove(b.outputs.pop("torch"))
+    return clk.s
+
+
+@method("peer", "safetensors save_file + fsync")
+def st_save(b: Bench) -> float:
+    from safetensors.torch import save_file
+
+    path = b.path("model.safetensors")
+    with Clock(b) as clk:
+        save_file(dict(b.flat), str(path))
+        C.fsync_tree(path)
+    b.outputs["safetensors"] = path
+    return clk.s
+
+
+@method("peer", "safetensors safe_open + copy")
+def st_load(b: Bench) -> float:
+    from safetensors import safe_open
+
+    path = b.need("safetensors", st_save)
+    b.poison()
+    with Clock(b) as clk, safe_open(str(path), framework="pt") as f:
+        for k in f.keys():
+            b.dst_flat[k].copy_(f.get_tensor(k))
+    b.check()
+    C.remove(b.outputs.pop("safetensors"))
+    return clk.s
+
+
+@method("peer", "DCP save, 2 threads")
+def dcp_save(b: Bench) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    path = b.path("dcp")
+    with Clock(b) as clk:
+        writer = dcp.FileSystemWriter(path, thread_count=2)  # sync_files=True by default
+        dcp.save(b.state, storage_writer=writer, no_dist=True)
+        C.fsync_tree(path)  # the directory entries too
+    b.outputs["dcp"] = path
+    return clk.s
+
+
+@method("peer", "DCP load")
+def dcp_load(b: Bench) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    path = b.need("dcp", dcp_save)
+    b.poison()
+    with Clock(b) as clk:
+        dcp.load(b.dst, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    b.check()
+    C.remove(b.outputs.pop("dcp"))
+    return clk.s
+
+
+# -- ckpt -----------------------------------------------------------------------------------
+def ckpt_save(b: Bench, verify: str, key: str | None = None, **kw: Any) -> float:
+    import ckpt
+
+    job = b.path(f"ckpt-{key or 'tmp'}")
+    with Clock(b) as clk:
+        res = ckpt.save(b.state, job, step=1, verify=verify, **kw)
+    if res.bytes < b.nbytes:
+        raise AssertionError(f"ckpt.save reports {res.bytes} bytes, the state has {b.nbytes}")
+    if key is None:
+        C.remove(job)
+    else:
+        b.outputs[key] = job
+    return clk.s
+
+
+method("ckpt", "ckpt save(verify=size)")(lambda b: ckpt_save(b, "size"))
+method("ckpt", "ckpt save(verify=size, preallocate)")(
+    lambda b: ckpt_save(b, "size", preallocate=True)
+)
+method("ckpt", "ckpt save(verify=full)")(lambda b: ckpt_save(b, "full", key="ckpt"))
+
+
+def _saved_ckpt(b: Bench) -> float:
+    return ckpt_save(b, "full", key="ckpt")
+
+
+def ckpt_load(b: Bench, **kw: Any) -> float:
+    import ckpt
+
+    job = b.need("ckpt", _saved_ckpt)  # kept for the verify that follows
+    b.poison()
+    with Clock(b) as clk:
+        ckpt.load(b.dst, job, step=1, **kw)
+    b.check()
+    return clk.s
+
+
+method("ckpt", "ckpt load")(ckpt_load)
+
+
+def _run_ckptctl(job: Path) -> tuple[str, Callable[[], None]]:
+    """The in-process `ckptctl verify --level full`, else verify_checkpoint()."""
+    try:
+        from ckptd.cli import ckptctl
+    except ImportError:
+        ckptctl = None
+    if ckptctl is not None:
+
+        def cli() -> None:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                try:
+                    rc = ckptctl.main(
+                        ["verify", str(job), "--step", "1", "--level", "full", "--json"]
+                    )
+                except SystemExit as e:
+                    rc = e.code if isinstance(e.code, int) else 1
+            if rc != 0:
+                raise AssertionError(f"ckptctl verify exited {rc}: {out.getvalue()[-2000:]}")
+
+        return "ckptctl.main", cli
+    from ckptd.format.checkpoint import verify_checkpoint
+    from ckptd.storage import open_storage
+
+    def fn() -> None:
+        report = verify_checkpoint(open_storage(job), 1, level="full")
+        if not report.ok:
+            raise AssertionError(f"verify_checkpoint: {report.problems[:3]}")
+
+    return "verify_checkpoint", fn
+
+
+@method("ckpt", "ckptctl verify --level full")
+def ckpt_verify(b: Bench) -> float:
+    job = b.need("ckpt", _saved_ckpt)
+    b.notes["verify_via"], run = _run_ckptctl(job)
+    with Clock(b) as clk:
+        run()
+    C.remove(b.outputs.pop("ckpt"))
+    return clk.s
+
+
+def add_sweep() -> None:
+    """ckpt save(size) and load under other knob settings (--sweep). early_writeback only
+    acts on buffered writes, so it is varied with direct_io=False only."""
+    from ckptd import knobs
+
+    saves = [
+        (d, t, e) for d in (True, False) for t in (2, 4) for e in ((True,) if d else (True, False))
+    ]
+    at = [n for _, n, _ in REGISTRY].index("ckptctl verify --level full")
+    loads = []
+    for d in (True, False):
+        for t in (2, 4):
+
+            def load(b: Bench, d: bool = d, t: int = t) -> float:
+                with knobs.override(direct_io=d, io_threads=t):
+                    return ckpt_load(b)
+
+            loads.append(("sweep", f"ckpt load [direct_io={d:d} io_threads={t}]", load))
+    REGISTRY[at:at] = loads  # before verify removes the checkpoint they read
+    for d, t, e in saves:
+
+        def save(b: Bench, d: bool = d, t: int = t, e: bool = e) -> float:
+            with knobs.override(direct_io=d, io_threads=t, early_writeback=e):
+                return ckpt_save(b, "size")
+
+        name = f"ckpt save(size) [direct_io={d:d} io_threads={t} early_writeback={e:d}]"
+        REGISTRY.append(("sweep", name, save))
+
+
+# -- ratios and report ----------------------------------------------------------------------
+def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
+    """ckpt against its floors and peers; each a ratio of median GB/s of this run.
+
+    Floors: the best new-file write is the best of the buffered and O_DIRECT (bounce
+    copy) variants, 1 and 2 threads (the no-copy variant needs page-aligned tensors,
+    which a writer does not get); write + read back combines times (1 / (1/w + 1/r)).
+    """
+    nan = float("nan")
+
+    def best(names: list[str]) -> float:
+        vals = [med[n] for n in names if n in med]
+        return max(vals) if vals else nan
+
+    new_write = best(
+        [f"raw write new file, {m}, {t} thr" for m in ("buffered", "O_DIRECT") for t in (1, 2)]
+    )
+    cold_read = best([n for n in med if n.startswith("raw cold read")])
+    direct_read = best([n for n in med if n.startswith("raw cold read, O_DIRECT")])
+    write_read = 1 / (1 / new_write + 1 / cold_read)
+    verify_floor = min(cold_read, med.get("blake3, 2 threads", nan))
+    save = med.get("ckpt save(verify=size)", nan)
+    pre = med.get("ckpt save(verify=size, preallocate)", nan)
+    full = med.get("ckpt save(verify=full)", nan)
+    load = med.get("ckpt load", nan)
+    ver = med.get("ckptctl verify --level full", nan)
+    dcp_save, dcp_load = med.get("DCP save, 2 threads", nan), med.get("DCP load", nan)
+    falloc = med.get("raw write fallocated file, O_DIRECT, 2 thr", nan)
+    overwrite = med.get("raw write overwrite blocks, O_DIRECT, 2 thr", nan)
+    rows = [
+        ("ckpt save(size) / best raw new-file write+fsync", save, new_write, 0.8),
+        ("ckpt save(size) / DCP save", save, dcp_save, 1.0),
+        ("ckpt save(size, prealloc) / raw O_DIRECT fallocated write", pre, falloc, 0.8),
+        ("ckpt save(size, prealloc) / raw O_DIRECT overwrite (info)", pre, overwrite, None),
+        ("ckpt save(size, prealloc) / DCP save", pre, dcp_save, 1.5),
+        ("ckpt save(full) / raw write + cold read back", full, write_read, 0.8),
+        ("ckpt load / best raw O_DIRECT cold read", load, direct_read, 0.8),
+        ("ckpt load / DCP load", load, dcp_load, 1.5),
+        ("ckptctl verify full / min(cold read, blake3 2 thr)", ver, verify_floor, 0.8),
+    ]
+    out = []
+    for name, num, den, target in rows:
+        r = num / den if den == den and den else nan
+        if r != r:
+            verdict = "n/a"  # a method was filtered out or failed
+        else:
+            verdict = "info" if target is None else ("PASS" if r >= target else "FAIL")
+        out.append(
+            {
+                "ratio": name,
+                "value": r,
+                "num_gbps": num,
+                "den_gbps": den,
+                "target": target,
+                "verdict": verdict,
+            }
+        )
+    return out
+
+
+def report(b: Bench, times: dict[str, list[float]], errors: dict[str, list[str]], args) -> None:
+    stats = {n: C.summarize(ts, b.nbytes) for n, ts in times.items() if ts}
+    width = max(len(n) for _, n, _ in REGISTRY) + 2
+    print(
+        f"\nstate: {b.desc['tensors']} tensors, {b.nbytes / C.GB:.3f} GB; GB = 1e9 bytes; "
+        f"{args.reps} reps, methods interleaved"
+    )
+    print(f"{'method':<{width}} {'med GB/s':>9} {'min-max GB/s':>14} {'med s':>8}  ok")
+    group = None
+    for g, n, _ in REGISTRY:
+        if g != group:
+            print(f"-- {g}")
+            group = g
+        s = stats.get(n)
+        ok = f"{len(times.get(n, []))}/{args.reps}"
+        if s is None:
+            print(f"{n:<{width}} {'ERROR':>9} {'':>14} {'':>8}  {ok}")
+            continue
+        spread = f"{s['min_gbps']:.2f}-{s['max_gbps']:.2f}"
+        print(f"{n:<{width}} {s['median_gbps']:9.2f} {spread:>14} {s['median_s']:8.3f}  {ok}")
+    rs = ratios({n: s["median_gbps"] for n, s in stats.items()})
+    print("\nratios (of medians; target in brackets)")
+    for r in rs:
+        tgt = "" if r["target"] is None else f">= {r['target']}"
+        print(f"  {r['ratio']:<58} {r['value']:6.2f}  [{tgt:>7}] {r['verdict']}")
+    for n, errs in errors.items():
+        print(f"ERRORS in {n}: {errs[0].strip().splitlines()[-1]}")
+    import ckptd.knobs
+
+    result = {
+        "bench": "save_restore",
+        "units": "GB = 1e9 bytes; seconds wall clock",
+        "args": vars(args),
+        "machine": C.machine_info(b.work),
+        "state": b.desc | {"raw_file_bytes": b.size},
+        "ckpt_knob_defaults": vars(ckptd.knobs.get()),
+        "notes": b.notes,
+        "order": [n for _, n, _ in REGISTRY],
+        "per_rep_seconds": times,
+        "stats": stats,
+        "ratios": rs,
+        "errors": errors,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    print(f"\nresults: {C.write_results('save_restore', result)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--size-gib", type=float, default=2.0, help="state size in GiB (default 2)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
+    p.add_argument("--dir", type=Path, default=C.RESULTS_DIR / "tmp-data", help="work directory")
+    p.add_argument("--sweep", action="store_true", help="also ckpt save/load under other knobs")
+    p.add_argument(
+        "--only",
+        default="",
+        help="run only methods whose name contains one of these |-separated substrings",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore", module="torch.distributed")
+    if args.sweep:
+        add_sweep()
+    if args.only:
+        keep = [s.strip() for s in args.only.split("|") if s.strip()]
+        REGISTRY[:] = [m for m in REGISTRY if any(s in m[1] for s in keep)]
+    args.dir.mkdir(parents=True, exist_ok=True)
+    work = args.dir / f"run-{os.getpid()}"
+    work.mkdir()
+    b_load = os.getloadavg()
+    if b_load[0] > 0.5 * (os.cpu_count() or 1):
+        print(
+            f"warning: load average {b_load[0]:.1f} at start: other processes compete for "
+            "the CPUs and the disk; expect noisy numbers",
+            flush=True,
+        )
+    t0 = time.perf_counter()
+    state, desc = C.make_state(args.size_gib, args.seed)
+    b = Bench(work, state, desc)
+    print(
+        f"state: {desc['tensors']} tensors, {b.nbytes / C.GB:.3f} GB (hidden {desc['hidden']}, "
+        f"largest tensor {desc['largest_tensor_bytes'] / C.GB:.3f} GB), "
+        f"built in {time.perf_counter() - t0:.1f} s; work dir {work}",
+        flush=True,
+    )
+    times: dict[str, list[float]] = {n: [] for _, n, _ in REGISTRY}
+    errors: dict[str, list[str]] = {}
+    try:
+        for rep in range(args.reps):
+            for _g, name, fn in REGISTRY:
+                try:
+                    s = fn(b)
+                    times[name].append(s)
+                    print(
+                        f"rep {rep + 1}/{args.reps}  {name:<62} {s:7.3f} s "
+                        f"{b.nbytes / s / C.GB:6.2f} GB/s",
+                        flush=True,
+                    )
+                except Exception as e:
+                    tb = traceback.format_exc()
+                    first = name not in errors
+                    errors.setdefault(name, []).append(tb)
+                    detail = f"\n{tb}" if first else f" {type(e).__name__}: {e}"
+                    print(f"rep {rep + 1}/{args.reps}  {name}: ERROR{detail}", flush=True)
+                gc.collect()
+            for key in list(b.outputs):
+                C.remove(b.outputs.pop(key))
+            for child in work.iterdir():
+                C.remove(child)
+        b.notes["loadavg_start"], b.notes["loadavg_end"] = b_load, os.getloadavg()
+        report(b, times, errors, args)
+    finally:
+        C.remove(work)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
