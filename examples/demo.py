@@ -14,9 +14,10 @@ import subprocess
 import sys
 import time
 
-import ckpt
 import numpy as np
 import torch
+
+import ckpt
 
 ROOT = os.path.abspath("demo-ckpts")
 JOB = os.path.join(ROOT, "tiny-mlp")
