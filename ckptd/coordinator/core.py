@@ -597,9 +597,20 @@ class Coordinator:
         s = self.sessions.get((job, ref.step))
         if s is None or s.generation != ref.generation:
             rec = self.catalog.save(job, ref.step)
-            if rec is None:
-                raise InvalidRequest(f"job {job!r} step {ref.step}: no such save")
-            return StatusResult(rec.status, rec.reason, rec.manifest_blake3)
+            if rec is not None and rec.generation == ref.generation:
+                return StatusResult(rec.status, rec.reason, rec.manifest_blake3)
+            if rec is not None and rec.status == COMMITTED:
+                raise CheckpointExists(f"job {job!r} step {ref.step} is already committed")
+            # This rank failed before any rank began: record the abort so the others'
+            # BeginSave fails at once instead of waiting out the barrier.
+            await self._advance_generation(job, ref.generation)
+            s = Session(job, ref.step, ref.generation, ref.world_size, 0)
+            self.sessions[(job, ref.step)] = s
+            await self.catalog.write(
+                "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, created_unix) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (job, ref.step, ref.generation, ref.world_size, OPEN, now()),
+            )
         if s.status in (OPEN,):
             await self._abort(s, f"rank {ref.rank} aborted: {reason[:1000]}")
         return StatusResult(s.status, s.reason, s.manifest_blake3)

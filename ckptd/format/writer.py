@@ -81,6 +81,27 @@ def _windows(
     return out
 
 
+def _image_windows(
+    image: np.ndarray, items: Sequence[WriteItem], offsets: Sequence[int], align: int, window: int
+) -> list[tuple[int, int, list[Piece]]]:
+    """Windows of the image covering the items' (aligned) ranges, neighbours merged."""
+    ranges: list[list[int]] = []
+    for off, it in sorted(zip(offsets, items, strict=True), key=lambda x: x[0]):
+        end = min(image.nbytes, _round_up(off + it.data.nbytes, align))
+        if end <= off:
+            continue
+        if ranges and ranges[-1][1] == off:
+            ranges[-1][1] = end
+        else:
+            ranges.append([off, end])
+    out = []
+    for lo, hi in ranges:
+        for start in range(lo, hi, window):
+            end = min(hi, start + window)
+            out.append((start, end - start, [(start, image[start:end])]))
+    return out
+
+
 def _hash_groups(
     items: Sequence[WriteItem], block: int, target: int
 ) -> list[list[tuple[int, int]]]:
@@ -116,15 +137,17 @@ def write_shard(
     stats: ShardWriteStats | None = None,
     digests: list[list[str]] | None = None,
     image: np.ndarray | None = None,
+    offsets: Sequence[int] | None = None,
 ) -> ShardInfo:
     """Write, fsync and verify one rank's shard and its index; return what to commit.
 
     On any failure the shard's files are removed and the error names job, step, rank and
     shard file; nothing is left for a commit to pick up.
 
-    image: the whole file's bytes, already laid out (a staging buffer whose items' data are
-    views at their planned offsets, padding zeroed); it is written window by window
-    without assembling, straight from page-aligned memory.
+    image, offsets: a staging buffer laid out as the file (page-aligned, padding zeroed)
+    and each item's offset in it. Only the ranges of `items` are written, straight from
+    the image with no bounce copy; ranges of the image that hold chunks this rank does
+    not write (another replica does) stay holes in a sparse file.
     """
     if verify not in ("full", "size"):
         raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
@@ -135,7 +158,14 @@ def write_shard(
     index_name = layout.index_name(rank, generation)
     shard_path = f"{sdir}/{shard_name}"
     index_path = f"{sdir}/{index_name}"
-    offsets, size = plan_offsets([it.data.nbytes for it in items], align)
+    if image is not None:
+        if offsets is None or len(offsets) != len(items):
+            raise ValueError("a staged image needs the offset of every item")
+        size = image.nbytes
+        covered = sum(_round_up(it.data.nbytes, align) for it in items)
+    else:
+        offsets, size = plan_offsets([it.data.nbytes for it in items], align)
+        covered = size
     ctx = f"job {job!r} step {step} rank {rank} shard {storage.url}/{shard_path}"
     threads = io_threads or k.io_threads
     st = stats if stats is not None else ShardWriteStats()
@@ -154,7 +184,10 @@ def write_shard(
             hashes[i][b] = hashing.digest(data[b * block : (b + 1) * block])
 
     storage.makedirs(f"{sdir}/{layout.SHARDS_DIR}")
-    reuse = recycle.take(storage, size) if k.recycle_files > 0 and size else None
+    # Reuse a retired file only when every byte of it will be overwritten.
+    reuse = (
+        recycle.take(storage, size) if k.recycle_files > 0 and size and covered == size else None
+    )
     handle = storage.open_write(
         shard_path,
         size,
@@ -163,10 +196,7 @@ def write_shard(
     )
     try:
         if image is not None:
-            if image.nbytes != size:
-                raise ValueError(f"staged image is {image.nbytes} bytes, the shard needs {size}")
-            whole = [WriteItem("", "uint8", [size], [0], [size], image)]
-            windows = _windows(whole, [0], size, k.io_window)
+            windows = _image_windows(image, items, offsets, align, k.io_window)
         else:
             windows = _windows(items, offsets, size, k.io_window)
         groups = [] if precomputed else _hash_groups(items, block, k.io_window)

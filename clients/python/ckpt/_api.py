@@ -109,9 +109,10 @@ def save(
     rank, world = _world()
     if world != 1 or os.environ.get("CKPTD_ADDRESS"):
         # Many ranks (or a configured service): go through the coordinator.
-        return _checkpointer_for(path, keep_last=keep_last, verify=verify).save(
-            state, step, metadata=meta
-        )
+        cp = _checkpointer_for(path, keep_last=keep_last, verify=verify)
+        result = cp.save(state, step, metadata=meta, blocking=True).wait()
+        assert result is not None
+        return result
     node, leaves = flatten(state)
     storage = open_storage(path, create=True)
     job = os.fspath(path)

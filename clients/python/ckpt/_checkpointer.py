@@ -13,20 +13,26 @@ group's key-value store is used once, at start, to find a zero-config coordinato
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import threading
 import time
 import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckpt import _world
 from ckpt._api import LoadResult, SaveResult, _check_metadata
 from ckpt._embedded import EmbeddedCoordinator
 from ckpt._flatten import flatten
+from ckpt._pending import PendingSave
 from ckpt._restore import Planner
+from ckpt._staging import HostImage, stage
 from ckpt._transport import CoordinatorClient
+from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.errors import CkptError, SaveAborted, SaveFailed
@@ -63,9 +69,12 @@ class Checkpointer:
         lease_s: float = 60.0,
         tls_root_cert: bytes | None = None,
         tls_client_cert: tuple[bytes, bytes] | None = None,
+        on_error: str = "raise",
     ):
         if verify not in ("full", "size"):
             raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
         p = os.fspath(path)
@@ -91,6 +100,12 @@ class Checkpointer:
         self.attempt = attempt
         self.generation, self.job_name = self.client.open_job(self.path, attempt)
         self.storage = open_storage(self.path, create=True)
+        self.on_error = on_error
+        self._image = HostImage()
+        self._inflight: PendingSave | None = None
+        # One background thread: saves persist in order, at most one at a time.
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
+        _open.add(self)
 
     # -- setup -------------------------------------------------------------------------
     def _zero_config(self, attempt: str | None, lease_s: float) -> tuple[str, str | None, str]:
@@ -140,23 +155,113 @@ class Checkpointer:
         return str(store.get(key).decode())  # type: ignore[attr-defined]
 
     # -- save --------------------------------------------------------------------------
-    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveResult:
-        """Save `state` as `step` from this rank; returns when the step is committed."""
+    def save(
+        self,
+        state: Any,
+        step: int,
+        *,
+        metadata: dict[str, Any] | None = None,
+        blocking: bool = False,
+        if_busy: str = "wait",
+    ) -> PendingSave:
+        """Save `state` as `step` from this rank.
+
+        Returns as soon as the state is copied into host memory (the blocking part); hashing,
+        planning, writing, verification and the commit run in the background. The returned
+        PendingSave's wait() gives the SaveResult or raises the failure; a failure also
+        raises at the next save() and at close() (unless on_error="warn").
+        blocking=True returns only when the step is committed.
+        if_busy: what to do while the previous save still persists: "wait" for it, or
+        "skip" this one (the PendingSave is marked skipped).
+        """
         self._check_open()
-        t0 = time.perf_counter()
+        if if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         layout.check_step(step)
         meta = _check_metadata(metadata)
+        prev = self._inflight
+        if prev is not None and not prev.done():
+            if if_busy == "skip":
+                log.info(
+                    "job %s step %d skipped: step %d is still persisting",
+                    self.path,
+                    step,
+                    prev.step,
+                )
+                return PendingSave(step, skipped=True)
+            prev._done.wait()
+        self._raise_unseen(prev)
+        t0 = time.perf_counter()
+        try:
+            node, leaves = flatten(state, rank=self.rank)
+            t1 = time.perf_counter()
+            image, items, offsets = stage(leaves, self._image, alignment=knobs.get().alignment)
+        except BaseException as e:
+            # The other ranks must not wait for this one at the barrier.
+            ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
+            self._abort_quietly(ref, f"{type(e).__name__}: {e}")
+            raise
+        del leaves  # the staged copy is what gets saved; the caller's tensors are free
+        crash_point("rank.after_stage")
+        pending = PendingSave(step)
+        pending.timings.staging_s = time.perf_counter() - t1
+        pending.timings.blocking_s = time.perf_counter() - t0
+        pending.bytes = int(image.nbytes)
+        job = _SaveJob(step, node, meta, image, items, offsets)
+        self._inflight = pending
+        if blocking:
+            self._persist(job, pending)
+            pending.wait()
+            return pending
+        self._worker.submit(self._persist, job, pending)
+        return pending
+
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
+        """Wait for the save in flight (if any); raises its failure."""
+        p = self._inflight
+        if p is None:
+            return None
+        if not p._done.wait(timeout):
+            raise TimeoutError(
+                f"job {self.path!r} step {p.step}: still persisting after {timeout} s"
+            )
+        self._raise_unseen(p)
+        return p._result
+
+    def _raise_unseen(self, p: PendingSave | None) -> None:
+        if p is None:
+            return
+        err = p._take_unseen_error()
+        if err is None:
+            return
+        if self.on_error == "warn":
+            log.warning("job %s step %d failed in the background: %s", self.path, p.step, err)
+            return
+        raise err
+
+    def _persist(self, job: _SaveJob, pending: PendingSave) -> None:
+        """The background part of a save; records the outcome in `pending`, never raises."""
+        t0 = time.perf_counter()
+        try:
+            result = self._persist_steps(job, pending)
+        except BaseException as e:  # handed to the training loop through the PendingSave
+            pending.timings.persist_s = time.perf_counter() - t0
+            pending._finish(None, e)
+            if self.on_error == "warn":
+                log.warning("job %s step %d failed: %s", self.path, job.step, e)
+            return
+        pending.timings.persist_s = time.perf_counter() - t0 - pending.timings.commit_s
+        pending._finish(result, None)
+
+    def _persist_steps(self, job: _SaveJob, pending: PendingSave) -> SaveResult:
+        step, items = job.step, job.items
         ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
         where = f"job {self.path!r} step {step} rank {self.rank}/{self.world_size}"
-        node, leaves = flatten(state, rank=self.rank)
-        items = [
-            WriteItem(
-                leaf.key, leaf.dtype, leaf.shape, leaf.chunk_offsets, leaf.chunk_sizes, leaf.data
-            )
-            for leaf in leaves
-        ]
-        crash_point("rank.after_stage")
-        digests = hash_items(items)
+        try:
+            digests = hash_items(items)
+        except BaseException as e:
+            self._abort_quietly(ref, f"{type(e).__name__}: {e}")
+            raise
         plan = [
             ChunkPlan(
                 it.key,
@@ -169,15 +274,22 @@ class Checkpointer:
             )
             for it, d in zip(items, digests, strict=True)
         ]
-        begun = self.client.begin_save(
-            ref,
-            plan,
-            state=node,
-            metadata=meta,
-            allow_divergent=self.allow_divergent,
-            keep_last=self.keep_last or 0,
-            timeout_s=self.timeout_s,
-        )
+        try:
+            t_begin = time.perf_counter()
+            begun = self.client.begin_save(
+                ref,
+                plan,
+                state=job.node,
+                metadata=job.metadata,
+                allow_divergent=self.allow_divergent,
+                keep_last=self.keep_last or 0,
+                timeout_s=self.timeout_s,
+            )
+        except CkptError:
+            raise
+        except BaseException as e:
+            self._abort_quietly(ref, f"{type(e).__name__}: {e}")
+            raise
         for w in begun.warnings:
             log.warning("%s: %s", where, w)
         stop = threading.Event()
@@ -198,15 +310,19 @@ class Checkpointer:
                 verify=self.verify,
                 digests=[digests[i] for i in begun.write],
                 stats=stats,
+                image=job.image,
+                offsets=[job.offsets[i] for i in begun.write],
             )
             report = ShardReport(
                 info.path, info.size, info.index, info.index_size, info.index_blake3, self.verify
             )
             crash_point("rank.before_report")
+            t_report = time.perf_counter()
             status = self.client.report_shard(ref, report)
             crash_point("rank.after_report")
             if status.status != "ABORTED":
                 status = self.client.await_commit(ref, self.timeout_s)
+            pending.timings.commit_s = time.perf_counter() - t_report
         except BaseException as e:
             stop.set()
             self._abort_quietly(ref, f"{type(e).__name__}: {e}")
@@ -217,12 +333,11 @@ class Checkpointer:
             raise SaveAborted(
                 f"{where}: the save was not committed ({status.status}): {status.reason}"
             )
-        seconds = time.perf_counter() - t0
         return SaveResult(
             step=step,
             path=f"{self.storage.url}/{layout.step_dir(step)}",
-            bytes=info.size,
-            seconds=seconds,
+            bytes=sum(items[i].data.nbytes for i in begun.write),
+            seconds=pending.timings.blocking_s + time.perf_counter() - t_begin,
             write_s=stats.write_s,
             verify_s=stats.verify_s,
             tensors=len(begun.write),
@@ -273,15 +388,65 @@ class Checkpointer:
             raise SaveFailed(f"job {self.path!r}: this Checkpointer is closed")
 
     def close(self) -> None:
+        """Wait for the save in flight, then release the coordinator and buffers.
+
+        Raises the in-flight save's failure (unless on_error="warn").
+        """
         if self._closed:
             return
-        self._closed = True
-        self.client.close()
-        if self._embedded is not None:
-            self._embedded.close()
+        try:
+            p = self._inflight
+            if p is not None:
+                p._done.wait()
+            self._closed = True
+            self._worker.shutdown(wait=True)
+            self.client.close()
+            if self._embedded is not None:
+                self._embedded.close()
+            self._image.release()
+            _open.discard(self)
+        finally:
+            self._closed = True
+        self._raise_unseen(p)
 
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None and self.on_error == "raise":
+            # Do not hide the exception that is already propagating.
+            try:
+                self.close()
+            except BaseException as e:
+                log.error("job %s: the save in flight failed too: %s", self.path, e)
+            return
         self.close()
+
+
+class _SaveJob:
+    __slots__ = ("step", "node", "metadata", "image", "items", "offsets")
+
+    def __init__(
+        self,
+        step: int,
+        node: Any,
+        metadata: dict[str, Any],
+        image: Any,
+        items: list[WriteItem],
+        offsets: list[int],
+    ):
+        self.step, self.node, self.metadata = step, node, metadata
+        self.image, self.items, self.offsets = image, items, offsets
+
+
+# Checkpointers still open at interpreter exit flush their save in flight.
+_open: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for cp in list(_open):
+        try:
+            cp.close()
+        except BaseException as e:  # noqa: BLE001 - at exit, report and go on
+            log.error("job %s: %s", cp.path, e)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import ctypes
 import mmap
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from ckpt._flatten import Leaf
+from ckptd import iopool
 from ckptd.format.writer import WriteItem, plan_offsets
 
 _HUGE = 2 << 20
@@ -69,8 +69,8 @@ class HostImage:
 
 def stage(
     leaves: Sequence[Leaf], image: HostImage, *, alignment: int = 4096, threads: int = 2
-) -> tuple[np.ndarray, list[WriteItem]]:
-    """Copy every leaf into `image` at its shard offset; returns (file image, items).
+) -> tuple[np.ndarray, list[WriteItem], list[int]]:
+    """Copy every leaf into `image` at its shard offset; returns (file image, items, offsets).
 
     The items' data are views into the image, so the caller may let training mutate the
     tensors as soon as this returns.
@@ -101,8 +101,7 @@ def stage(
             n = min(_COPY_PIECE, sizes[i] - start)
             jobs.append((base + offsets[i] + start, src + start, n))
     if len(jobs) > 1 and threads > 1:
-        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-stage") as pool:
-            list(pool.map(lambda j: ctypes.memmove(*j), jobs))
+        list(iopool.executor(threads).map(lambda j: ctypes.memmove(*j), jobs))
     else:
         for j in jobs:
             ctypes.memmove(*j)
@@ -117,7 +116,7 @@ def stage(
         )
         for leaf, off, n in zip(leaves, offsets, sizes, strict=True)
     ]
-    return buf, items
+    return buf, items, offsets
 
 
 def _stage_cuda(
