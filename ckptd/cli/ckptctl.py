@@ -311,7 +311,8 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
     newest = committed[-1] if committed else None
     doomed: list[tuple[int, str]] = []
     for s in steps:
-        if s.status != ckfmt.COMMITTED and (
+        # Only unfinished saves are debris; an unreadable manifest may be a whole checkpoint.
+        if s.status == ckfmt.INCOMPLETE and (
             newest is None or s.step < newest or args.include_newer
         ):
             doomed.append((s.step, f"{s.status.lower()}: {s.error}"))

@@ -8,6 +8,7 @@ hash on every core.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import blake3
@@ -42,11 +43,9 @@ def chunk_digest(block_digests: list[str]) -> str:
     return h.hexdigest()
 
 
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+
 def is_hex_digest(s: object) -> bool:
-    if not isinstance(s, str) or len(s) != HEX_LEN:
-        return False
-    try:
-        int(s, 16)
-    except ValueError:
-        return False
-    return True
+    """A lowercase 64-digit hex blake3 digest, exactly as hexdigest() writes it."""
+    return isinstance(s, str) and _HEX.fullmatch(s) is not None

@@ -232,6 +232,8 @@ def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:
         raise InvalidManifest(f"{what}: world_size must be at least 1")
     block, align = _check_block_size(doc, what)
     created = _field(doc, "created_unix", (int, float), what)
+    if not 0 <= created < 1e11:
+        raise InvalidManifest(f"{what}: created_unix {str(created)[:40]} is not a plausible time")
     metadata = _field(doc, "metadata", dict, what)
     shards_doc = _field(doc, "shards", list, what)
     shards: list[ShardInfo] = []

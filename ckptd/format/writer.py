@@ -60,12 +60,17 @@ def plan_offsets(sizes: Sequence[int], alignment: int) -> tuple[list[int], int]:
 
 
 def _windows(
-    items: Sequence[WriteItem], offsets: Sequence[int], size: int, window: int
+    items: Sequence[WriteItem],
+    offsets: Sequence[int],
+    size: int,
+    window: int,
+    start_at: int = 0,
 ) -> list[tuple[int, int, list[Piece]]]:
+    """Windows of [start_at, size) with the pieces of the (offset-sorted) items in each."""
     out = []
     j = 0
     n = len(items)
-    for start in range(0, size, window):
+    for start in range(start_at, size, window):
         end = min(size, start + window)
         pieces: list[Piece] = []
         while j < n and offsets[j] + items[j].data.nbytes <= start:
@@ -102,6 +107,31 @@ def _image_windows(
     return out
 
 
+def _item_windows(
+    items: Sequence[WriteItem], offsets: Sequence[int], align: int, window: int
+) -> list[tuple[int, int, list[Piece]]]:
+    """Windows covering the items' aligned ranges (gaps between ranges are not written)."""
+    order = sorted(range(len(items)), key=lambda i: offsets[i])
+    ranges: list[list[int]] = []
+    for i in order:
+        off, end = offsets[i], _round_up(offsets[i] + items[i].data.nbytes, align)
+        if end <= off:
+            continue
+        if ranges and ranges[-1][1] == off:
+            ranges[-1][1] = end
+        else:
+            ranges.append([off, end])
+    sorted_items = [items[i] for i in order]
+    sorted_offsets = [offsets[i] for i in order]
+    out: list[tuple[int, int, list[Piece]]] = []
+    for lo, hi in ranges:
+        for start, length, pieces in _windows(
+            sorted_items, sorted_offsets, hi, window, start_at=lo
+        ):
+            out.append((start, length, pieces))
+    return out
+
+
 def _hash_groups(
     items: Sequence[WriteItem], block: int, target: int
 ) -> list[list[tuple[int, int]]]:
@@ -119,6 +149,186 @@ def _hash_groups(
     if cur:
         groups.append(cur)
     return groups
+
+
+class ShardWriter:
+    """One rank's shard file for one save, written in one or more parts.
+
+    Call order: ShardWriter(...) creates the file at its final size -> write(...) once or
+    more (each call writes its items at their offsets from a thread pool, hashing what it
+    writes unless digests are given) -> finish(...) fsyncs, writes the index, verifies and
+    returns the ShardInfo to report. abort() (or any failure) removes the files. Errors
+    name job, step, rank and shard file.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        job: str,
+        step: int,
+        rank: int,
+        world_size: int,
+        generation: int,
+        size: int,
+        recycle_ok: bool = True,
+        preallocate: bool | None = None,
+        io_threads: int | None = None,
+    ):
+        k = knobs.get()
+        self.storage, self.job, self.step, self.rank = storage, job, step, rank
+        self.world_size, self.generation, self.size = world_size, generation, size
+        self.block, self.align, self.window = k.block_size, k.alignment, k.io_window
+        self.threads = io_threads or k.io_threads
+        sdir = layout.step_dir(step)
+        self.shard_name = layout.shard_name(rank, generation)
+        self.index_name = layout.index_name(rank, generation)
+        self.shard_path = f"{sdir}/{self.shard_name}"
+        self.index_path = f"{sdir}/{self.index_name}"
+        self.ctx = f"job {job!r} step {step} rank {rank} shard {storage.url}/{self.shard_path}"
+        self._open = False
+        try:
+            storage.makedirs(f"{sdir}/{layout.SHARDS_DIR}")
+            # Reuse a retired file only when every byte of it will be overwritten.
+            reuse = (
+                recycle.take(storage, size) if recycle_ok and k.recycle_files > 0 and size else None
+            )
+            self.handle = storage.open_write(
+                self.shard_path,
+                size,
+                preallocate=k.preallocate if preallocate is None else preallocate,
+                reuse=reuse,
+            )
+        except BaseException as e:
+            _remove_quietly(storage, self.shard_path)
+            _reraise(e, self.ctx)
+        self._open = True
+
+    def write(
+        self,
+        items: Sequence[WriteItem],
+        offsets: Sequence[int],
+        *,
+        image: np.ndarray | None = None,
+        digests: list[list[str]] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[list[str]]:
+        """Write items at their offsets (from `image` when given); returns block hashes."""
+        block = self.block
+        hashes = (
+            digests
+            if digests is not None
+            else [[""] * hashing.n_blocks(it.data.nbytes, block) for it in items]
+        )
+
+        def hash_group(group: list[tuple[int, int]]) -> None:
+            for i, b in group:
+                hashes[i][b] = hashing.digest(items[i].data[b * block : (b + 1) * block])
+
+        try:
+            if image is not None:
+                windows = _image_windows(image, items, offsets, self.align, self.window)
+            else:
+                windows = _item_windows(items, offsets, self.align, self.window)
+            groups = [] if digests is not None else _hash_groups(items, block, self.window)
+            pool = iopool.executor(self.threads)
+            futures: list[Future[None]] = []
+            for i in range(max(len(windows), len(groups))):
+                if i < len(windows):
+                    w_off, w_len, pieces = windows[i]
+                    futures.append(
+                        pool.submit(_write_window, self.handle, w_off, w_len, pieces, progress)
+                    )
+                if i < len(groups):
+                    futures.append(pool.submit(hash_group, groups[i]))
+            _wait_all(futures)
+        except BaseException as e:
+            self.abort()
+            _reraise(e, self.ctx)
+        return hashes
+
+    def finish(
+        self,
+        items: Sequence[WriteItem],
+        offsets: Sequence[int],
+        digests: list[list[str]],
+        *,
+        verify: str = "full",
+        stats: ShardWriteStats | None = None,
+    ) -> ShardInfo:
+        """fsync, write the index of `items` (what this shard holds), verify; the ShardInfo."""
+        if verify not in ("full", "size"):
+            raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
+        t0 = time.perf_counter()
+        try:
+            self.handle.finish()
+            self._open = False
+        except BaseException as e:
+            self.abort()
+            _reraise(e, self.ctx)
+        if stats is not None:
+            stats.write_s += time.perf_counter() - t0  # the fsync belongs to writing
+        entries = [
+            IndexEntry(
+                key=it.key,
+                dtype=it.dtype,
+                shape=list(it.shape),
+                chunk_offsets=list(it.chunk_offsets),
+                chunk_sizes=list(it.chunk_sizes),
+                offset=off,
+                length=it.data.nbytes,
+                blake3=digests[i],
+                file=self.shard_name,
+            )
+            for i, (it, off) in enumerate(zip(items, offsets, strict=True))
+        ]
+        index = ShardIndex(
+            job=self.job,
+            step=self.step,
+            generation=self.generation,
+            rank=self.rank,
+            world_size=self.world_size,
+            shard=self.shard_name,
+            shard_size=self.size,
+            block_size=self.block,
+            alignment=self.align,
+            entries=entries,
+        )
+        index_bytes = index.to_bytes()
+        t1 = time.perf_counter()
+        try:
+            self.storage.write_atomic(self.index_path, index_bytes)
+            _verify_written(
+                self.storage,
+                self.shard_path,
+                self.index_path,
+                index_bytes,
+                index,
+                verify,
+                self.threads,
+                self.ctx,
+            )
+        except BaseException as e:
+            self.abort()
+            _reraise(e, self.ctx)
+        if stats is not None:
+            stats.verify_s = time.perf_counter() - t1
+            stats.bytes = self.size
+        return ShardInfo(
+            rank=self.rank,
+            path=self.shard_name,
+            size=self.size,
+            index=self.index_name,
+            index_size=len(index_bytes),
+            index_blake3=hashing.digest(index_bytes),
+        )
+
+    def abort(self) -> None:
+        if self._open:
+            self.handle.abort()
+            self._open = False
+        _remove_quietly(self.storage, self.shard_path)
+        _remove_quietly(self.storage, self.index_path)
 
 
 def write_shard(
@@ -139,25 +349,16 @@ def write_shard(
     image: np.ndarray | None = None,
     offsets: Sequence[int] | None = None,
 ) -> ShardInfo:
-    """Write, fsync and verify one rank's shard and its index; return what to commit.
+    """Write, fsync and verify one rank's shard and its index in one go (see ShardWriter).
 
-    On any failure the shard's files are removed and the error names job, step, rank and
-    shard file; nothing is left for a commit to pick up.
-
-    image, offsets: a staging buffer laid out as the file (page-aligned, padding zeroed)
-    and each item's offset in it. Only the ranges of `items` are written, straight from
-    the image with no bounce copy; ranges of the image that hold chunks this rank does
-    not write (another replica does) stay holes in a sparse file.
+    Without `image` the items are laid out one after another (aligned). With `image`,
+    `offsets` give each item's place in it (a staging buffer laid out as the file); only
+    the items' ranges are written, so ranges holding chunks another replica writes stay
+    holes of a sparse file.
     """
     if verify not in ("full", "size"):
         raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
-    k = knobs.get()
-    block, align = k.block_size, k.alignment
-    sdir = layout.step_dir(step)
-    shard_name = layout.shard_name(rank, generation)
-    index_name = layout.index_name(rank, generation)
-    shard_path = f"{sdir}/{shard_name}"
-    index_path = f"{sdir}/{index_name}"
+    align = knobs.get().alignment
     if image is not None:
         if offsets is None or len(offsets) != len(items):
             raise ValueError("a staged image needs the offset of every item")
@@ -166,101 +367,23 @@ def write_shard(
     else:
         offsets, size = plan_offsets([it.data.nbytes for it in items], align)
         covered = size
-    ctx = f"job {job!r} step {step} rank {rank} shard {storage.url}/{shard_path}"
-    threads = io_threads or k.io_threads
     st = stats if stats is not None else ShardWriteStats()
     t0 = time.perf_counter()
-    # Block hashes computed earlier (a multi-rank save hashes before planning) are reused.
-    precomputed = digests is not None
-    hashes = (
-        digests
-        if digests is not None
-        else [[""] * hashing.n_blocks(it.data.nbytes, block) for it in items]
-    )
-
-    def hash_group(group: list[tuple[int, int]]) -> None:
-        for i, b in group:
-            data = items[i].data
-            hashes[i][b] = hashing.digest(data[b * block : (b + 1) * block])
-
-    storage.makedirs(f"{sdir}/{layout.SHARDS_DIR}")
-    # Reuse a retired file only when every byte of it will be overwritten.
-    reuse = (
-        recycle.take(storage, size) if k.recycle_files > 0 and size and covered == size else None
-    )
-    handle = storage.open_write(
-        shard_path,
-        size,
-        preallocate=k.preallocate if preallocate is None else preallocate,
-        reuse=reuse,
-    )
-    try:
-        if image is not None:
-            windows = _image_windows(image, items, offsets, align, k.io_window)
-        else:
-            windows = _windows(items, offsets, size, k.io_window)
-        groups = [] if precomputed else _hash_groups(items, block, k.io_window)
-        pool = iopool.executor(threads)
-        futures: list[Future[None]] = []
-        for i in range(max(len(windows), len(groups))):
-            if i < len(windows):
-                w_off, w_len, pieces = windows[i]
-                futures.append(pool.submit(_write_window, handle, w_off, w_len, pieces, progress))
-            if i < len(groups):
-                futures.append(pool.submit(hash_group, groups[i]))
-        _wait_all(futures)
-        handle.finish()
-    except BaseException as e:
-        handle.abort()
-        _remove_quietly(storage, shard_path)
-        _reraise(e, ctx)
-    st.write_s = time.perf_counter() - t0
-    st.bytes = size
-
-    entries = [
-        IndexEntry(
-            key=it.key,
-            dtype=it.dtype,
-            shape=list(it.shape),
-            chunk_offsets=list(it.chunk_offsets),
-            chunk_sizes=list(it.chunk_sizes),
-            offset=off,
-            length=it.data.nbytes,
-            blake3=hashes[i],
-            file=shard_name,
-        )
-        for i, (it, off) in enumerate(zip(items, offsets, strict=True))
-    ]
-    index = ShardIndex(
+    w = ShardWriter(
+        storage,
         job=job,
         step=step,
-        generation=generation,
         rank=rank,
         world_size=world_size,
-        shard=shard_name,
-        shard_size=size,
-        block_size=block,
-        alignment=align,
-        entries=entries,
-    )
-    index_bytes = index.to_bytes()
-    t1 = time.perf_counter()
-    try:
-        storage.write_atomic(index_path, index_bytes)
-        _verify_written(storage, shard_path, index_path, index_bytes, index, verify, threads, ctx)
-    except BaseException as e:
-        _remove_quietly(storage, shard_path)
-        _remove_quietly(storage, index_path)
-        _reraise(e, ctx)
-    st.verify_s = time.perf_counter() - t1
-    return ShardInfo(
-        rank=rank,
-        path=shard_name,
+        generation=generation,
         size=size,
-        index=index_name,
-        index_size=len(index_bytes),
-        index_blake3=hashing.digest(index_bytes),
+        recycle_ok=covered == size,
+        preallocate=preallocate,
+        io_threads=io_threads,
     )
+    hashes = w.write(items, offsets, image=image, digests=digests, progress=progress)
+    st.write_s = time.perf_counter() - t0
+    return w.finish(items, offsets, hashes, verify=verify, stats=st)
 
 
 def hash_items(items: Sequence[WriteItem], *, threads: int | None = None) -> list[list[str]]:

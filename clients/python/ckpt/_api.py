@@ -214,7 +214,9 @@ def apply_retention(storage: Storage, keep_last: int) -> list[int]:
         return []
     newest = committed[-1]
     doomed = committed[:-keep_last]
-    doomed += [s.step for s in steps if s.status != ckfmt.COMMITTED and s.step < newest]
+    # Debris is a step directory without a manifest. A manifest this reader cannot parse
+    # (a newer format, over a size limit, a transient error) is kept: it may be whole.
+    doomed += [s.step for s in steps if s.status == ckfmt.INCOMPLETE and s.step < newest]
     keep_files = knobs.get().recycle_files
     for step in sorted(doomed):
         if step in committed:

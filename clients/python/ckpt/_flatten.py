@@ -69,6 +69,8 @@ def _component(k: Any) -> str:
 
 
 def is_stateful(obj: Any) -> bool:
+    if isinstance(obj, type):  # a class (nn.Linear) is not an object with state
+        return False
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ckpt._flatten import PerRank, is_stateful, tensor_bytes
-from ckptd.errors import StateMismatch
+from ckptd.errors import InvalidManifest, StateMismatch
 from ckptd.format import dtypes, values
 from ckptd.format.checkpoint import Chunk, OpenCheckpoint
 from ckptd.format.manifest import IndexEntry
@@ -50,6 +50,9 @@ class Planner:
         self.strict = strict
         self.dests: dict[str, _Dest] = {}
         self.after_read: list[Callable[[], None]] = []
+        # Assignments into the caller's dicts and lists, applied after every read succeeded,
+        # so a load that fails (mismatch, corruption) leaves the containers untouched.
+        self.mutations: list[Callable[[], Any]] = []
         self.problems: list[str] = []
         self.missing: list[str] = []
 
@@ -109,7 +112,9 @@ class Planner:
             if extra and self.strict:
                 self.missing.extend(f"{path}/{k}" for k in extra)
             for k, v in saved.items():
-                target[k] = self.restore(v, target.get(k), f"{path}/{k}")
+                value = self.restore(v, target.get(k), f"{path}/{k}")
+                # Containers change only once the load succeeded (see read()).
+                self.mutations.append(functools.partial(target.__setitem__, k, value))
             return target
         return {k: self.restore(v, None, f"{path}/{k}") for k, v in saved.items()}
 
@@ -119,7 +124,7 @@ class Planner:
                 self.restore(c, target[i] if i < len(target) else None, f"{path}/{i}")
                 for i, c in enumerate(body)
             ]
-            target[:] = new
+            self.mutations.append(functools.partial(target.__setitem__, slice(None), new))
             return target
         return [self.restore(c, None, f"{path}/{i}") for i, c in enumerate(body)]
 
@@ -136,7 +141,11 @@ class Planner:
             return self._dtensor(key, target, dtype, shape, path)
         if key in self.dests:
             buf = self.dests[key].buffer
-            assert isinstance(buf, torch.Tensor)
+            if not isinstance(buf, torch.Tensor):
+                raise InvalidManifest(
+                    f"{self.ckpt.storage.url} step {self.ckpt.step}: key {key!r} is referenced "
+                    "both as a tensor and as a numpy value; the manifest was edited"
+                )
             if isinstance(target, torch.Tensor) and target is not buf:
                 if self._check(target, dtype, shape, path):
                     self.after_read.insert(0, functools.partial(_copy, target, buf))
@@ -186,9 +195,21 @@ class Planner:
     def _ndarray(self, key: str, target: Any, path: str) -> np.ndarray:
         entry, _ = self._saved(key, path)
         shape = tuple(entry.shape)
-        np_dtype = np.dtype(entry.dtype)
-        if key in self.dests and isinstance(self.dests[key].buffer, np.ndarray):
-            return self.dests[key].buffer  # type: ignore[return-value]
+        try:
+            np_dtype = np.dtype(entry.dtype)
+        except TypeError:
+            raise InvalidManifest(
+                f"{self.ckpt.storage.url} step {self.ckpt.step}: key {key!r} is tagged as a numpy "
+                f"value but its dtype {entry.dtype} has no numpy equivalent; the manifest was edited"
+            ) from None
+        if key in self.dests:
+            known = self.dests[key].buffer
+            if isinstance(known, np.ndarray):
+                return known
+            raise InvalidManifest(
+                f"{self.ckpt.storage.url} step {self.ckpt.step}: key {key!r} is referenced both "
+                "as a tensor and as a numpy value; the manifest was edited"
+            )
         if (
             isinstance(target, np.ndarray)
             and target.dtype == np_dtype
@@ -280,6 +301,8 @@ class Planner:
             with ThreadPoolExecutor(min(4, len(per_shard))) as pool:
                 list(pool.map(load_shard, per_shard))
         for fn in copies:
+            fn()
+        for fn in self.mutations:
             fn()
         for fn in self.after_read:
             fn()
