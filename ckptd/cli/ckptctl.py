@@ -305,6 +305,25 @@ def _progress(total: int, desc: str, args: argparse.Namespace) -> Any:
     )
 
 
+def _stray_files(storage: Storage, committed: list[ckfmt.StepInfo]) -> list[str]:
+    """Files inside committed steps that their manifest does not name: shards of a fenced
+    or aborted generation, temporary files of an interrupted write."""
+    out = []
+    for info in committed:
+        m = info.manifest
+        if m is None:
+            continue
+        sdir = layout.step_dir(info.step)
+        named = {x for sh in m.shards for x in (sh.path, sh.index)}
+        for name in storage.listdir(f"{sdir}/{layout.SHARDS_DIR}"):
+            if f"{layout.SHARDS_DIR}/{name}" not in named:
+                out.append(f"{sdir}/{layout.SHARDS_DIR}/{name}")
+        for name in storage.listdir(sdir):
+            if name not in (layout.MANIFEST_NAME, layout.SHARDS_DIR):
+                out.append(f"{sdir}/{name}")
+    return out
+
+
 def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
     steps = ckfmt.list_steps(storage)
     committed = [s.step for s in steps if s.status == ckfmt.COMMITTED]
@@ -331,6 +350,14 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
             print(
                 f"{'would remove' if args.dry_run else 'removed'} {layout.step_dir(step)} ({why})"
             )
+    strays = _stray_files(storage, [s for s in steps if s.status == ckfmt.COMMITTED])
+    for path in strays:
+        if not args.dry_run:
+            storage.remove_tree(path)
+        if not args.json:
+            print(
+                f"{'would remove' if args.dry_run else 'removed'} {path} (not part of the committed step)"
+            )
     pool = [] if args.keep_recycled else storage.listdir(recycle.POOL)
     for name in pool:
         if not args.dry_run:
@@ -346,7 +373,7 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
                 "removed": [s for s, _ in sorted(doomed)],
             }
         )
-    elif not doomed and not pool:
+    elif not doomed and not pool and not strays:
         print("nothing to remove")
     return OK
 

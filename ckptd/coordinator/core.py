@@ -408,7 +408,15 @@ class Coordinator:
         return StatusResult(s.status, s.reason, s.manifest_blake3)
 
     async def report_shard(self, ref: SaveRef, report: ShardReport) -> StatusResult:
-        job = self._check_ref(ref)
+        try:
+            job = self._check_ref(ref)
+        except StaleGeneration:
+            # The fenced rank wrote files of its own generation; they are nobody's now.
+            name = self.job_name(ref.job)
+            self._spawn(
+                asyncio.to_thread(self._remove_rank_files, name, ref.step, ref.generation, ref.rank)
+            )
+            raise
         s = self._session(ref, job)
         if s.status == ABORTED:
             return StatusResult(ABORTED, s.reason)
@@ -526,19 +534,19 @@ class Coordinator:
             ShardInfo(r, rep.shard_path, rep.size, rep.index_path, rep.index_size, rep.index_blake3)
             for r, rep in sorted(s.reports.items())
         ]
-        block = await asyncio.to_thread(_shard_block_size, st, s.step, shards)
-        m = Manifest(
-            job=s.job,
-            step=s.step,
-            generation=s.generation,
-            world_size=s.world_size,
-            block_size=block,
-            alignment=4096,
-            shards=shards,
-            state=s.state,
-            metadata=s.metadata,
-        )
         try:
+            block = await asyncio.to_thread(_shard_block_size, st, s.step, shards)
+            m = Manifest(
+                job=s.job,
+                step=s.step,
+                generation=s.generation,
+                world_size=s.world_size,
+                block_size=block,
+                alignment=4096,
+                shards=shards,
+                state=s.state,
+                metadata=s.metadata,
+            )
             if s.status != COMMITTING:
                 return
             await self.catalog.write(
@@ -580,6 +588,8 @@ class Coordinator:
         job = self._check_ref(ref)
         s = self.sessions.get((job, ref.step))
         if s is None or s.generation != ref.generation:
+            s = self.finished.get((job, ref.step, ref.generation))
+        if s is None:
             rec = self.catalog.save(job, ref.step)
             if rec is None or rec.generation != ref.generation:
                 raise InvalidRequest(
@@ -680,17 +690,28 @@ class Coordinator:
     def _remove_generation_files(
         self, job: str, step: int, generation: int, world_size: int
     ) -> None:
-        """Remove an aborted save's files; only its own generation's, never a manifest."""
+        """Remove an aborted save's files: only its own generation's, never a manifest,
+        never a file the step's manifest (of another generation) references."""
+        for r in range(world_size):
+            self._remove_rank_files(job, step, generation, r)
+
+    def _remove_rank_files(self, job: str, step: int, generation: int, rank: int) -> None:
         st = self.storage(job)
         sdir = layout.step_dir(step)
+        referenced: set[str] = set()
         if st.exists(f"{sdir}/{layout.MANIFEST_NAME}"):
-            return
-        for r in range(world_size):
-            for name in (layout.shard_name(r, generation), layout.index_name(r, generation)):
-                try:
-                    st.remove_tree(f"{sdir}/{name}")
-                except OSError as e:
-                    log.warning("could not remove %s/%s/%s: %s", st.url, sdir, name, e)
+            try:
+                m = ckfmt.read_manifest(st, step)
+            except CkptError:
+                return  # cannot tell what the committed step needs: touch nothing
+            referenced = {x for sh in m.shards for x in (sh.path, sh.index)}
+        for name in (layout.shard_name(rank, generation), layout.index_name(rank, generation)):
+            if name in referenced:
+                continue
+            try:
+                st.remove_tree(f"{sdir}/{name}")
+            except (OSError, CkptError) as e:
+                log.warning("could not remove %s/%s/%s: %s", st.url, sdir, name, e)
 
     async def _watch(self) -> None:
         while True:
