@@ -39,7 +39,7 @@ from ckptd.errors import CkptError, SaveAborted, SaveFailed
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
-from ckptd.format.writer import ShardWriteStats, WriteItem, hash_items, write_shard
+from ckptd.format.writer import ShardWriter, ShardWriteStats, WriteItem, hash_items, plan_offsets
 from ckptd.storage import open_storage
 
 log = logging.getLogger("ckpt")
@@ -70,6 +70,7 @@ class Checkpointer:
         tls_root_cert: bytes | None = None,
         tls_client_cert: tuple[bytes, bytes] | None = None,
         on_error: str = "raise",
+        staging_budget_bytes: int | None = None,
     ):
         if verify not in ("full", "size"):
             raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
@@ -101,6 +102,9 @@ class Checkpointer:
         self.generation, self.job_name = self.client.open_job(self.path, attempt)
         self.storage = open_storage(self.path, create=True)
         self.on_error = on_error
+        if staging_budget_bytes is not None and staging_budget_bytes < 0:
+            raise ValueError(f"staging_budget_bytes must be >= 0, got {staging_budget_bytes}")
+        self.staging_budget_bytes = staging_budget_bytes
         self._image = HostImage()
         self._inflight: PendingSave | None = None
         # One background thread: saves persist in order, at most one at a time.
@@ -195,7 +199,7 @@ class Checkpointer:
         try:
             node, leaves = flatten(state, rank=self.rank)
             t1 = time.perf_counter()
-            image, items, offsets = stage(leaves, self._image, alignment=knobs.get().alignment)
+            job = self._stage(step, node, meta, leaves)
         except BaseException as e:
             # The other ranks must not wait for this one at the barrier.
             ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
@@ -206,8 +210,7 @@ class Checkpointer:
         pending = PendingSave(step)
         pending.timings.staging_s = time.perf_counter() - t1
         pending.timings.blocking_s = time.perf_counter() - t0
-        pending.bytes = int(image.nbytes)
-        job = _SaveJob(step, node, meta, image, items, offsets)
+        pending.bytes = job.size
         self._inflight = pending
         if blocking:
             self._persist(job, pending)
@@ -215,6 +218,46 @@ class Checkpointer:
             return pending
         self._worker.submit(self._persist, job, pending)
         return pending
+
+    def _stage(self, step: int, node: Any, meta: dict[str, Any], leaves: list[Any]) -> _SaveJob:
+        """The blocking part: copy what fits the staging budget; write the rest now.
+
+        Over budget, the leading entries (in shard order) that fit are staged and the rest
+        are written to the shard file straight from the caller's tensors before save()
+        returns (hashed as they are written), so save() blocks only for what does not fit.
+        Those bytes land in the file whichever rank the plan later asks to write them;
+        when another replica writes them, they are simply not in this shard's index.
+        """
+        align = knobs.get().alignment
+        sizes = [leaf.data.nbytes for leaf in leaves]
+        offsets, size = plan_offsets(sizes, align)
+        budget = self.staging_budget_bytes
+        n = len(leaves)
+        if budget is not None and size > budget:
+            n = 0
+            while n < len(leaves) and _round_up(offsets[n] + sizes[n], align) <= budget:
+                n += 1
+        image, staged, _ = stage(leaves[:n], self._image, alignment=align)
+        items = staged + [
+            WriteItem(
+                leaf.key, leaf.dtype, leaf.shape, leaf.chunk_offsets, leaf.chunk_sizes, leaf.data
+            )
+            for leaf in leaves[n:]
+        ]
+        job = _SaveJob(step, node, meta, image, items, offsets, n, size)
+        if n < len(leaves):
+            job.writer = ShardWriter(
+                self.storage,
+                job=self.path,
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                generation=self.generation,
+                size=size,
+                recycle_ok=False,
+            )
+            job.overflow_digests = job.writer.write(items[n:], offsets[n:])
+        return job
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the save in flight (if any); raises its failure."""
@@ -258,9 +301,11 @@ class Checkpointer:
         ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
         where = f"job {self.path!r} step {step} rank {self.rank}/{self.world_size}"
         try:
-            digests = hash_items(items)
+            digests = hash_items(items[: job.n_staged]) + job.overflow_digests
         except BaseException as e:
             self._abort_quietly(ref, f"{type(e).__name__}: {e}")
+            if job.writer is not None:
+                job.writer.abort()
             raise
         plan = [
             ChunkPlan(
@@ -285,10 +330,11 @@ class Checkpointer:
                 keep_last=self.keep_last or 0,
                 timeout_s=self.timeout_s,
             )
-        except CkptError:
-            raise
         except BaseException as e:
-            self._abort_quietly(ref, f"{type(e).__name__}: {e}")
+            if not isinstance(e, CkptError):
+                self._abort_quietly(ref, f"{type(e).__name__}: {e}")
+            if job.writer is not None:
+                job.writer.abort()
             raise
         for w in begun.warnings:
             log.warning("%s: %s", where, w)
@@ -299,20 +345,7 @@ class Checkpointer:
         pinger.start()
         stats = ShardWriteStats()
         try:
-            info = write_shard(
-                self.storage,
-                job=self.path,
-                step=step,
-                rank=self.rank,
-                world_size=self.world_size,
-                generation=self.generation,
-                items=[items[i] for i in begun.write],
-                verify=self.verify,
-                digests=[digests[i] for i in begun.write],
-                stats=stats,
-                image=job.image,
-                offsets=[job.offsets[i] for i in begun.write],
-            )
+            info = self._write(job, begun.write, digests, stats)
             report = ShardReport(
                 info.path, info.size, info.index, info.index_size, info.index_blake3, self.verify
             )
@@ -341,6 +374,40 @@ class Checkpointer:
             write_s=stats.write_s,
             verify_s=stats.verify_s,
             tensors=len(begun.write),
+        )
+
+    def _write(
+        self, job: _SaveJob, write: list[int], digests: list[list[str]], stats: ShardWriteStats
+    ) -> Any:
+        """Write this rank's assigned chunks from the staged image; fsync, index, verify."""
+        t0 = time.perf_counter()
+        staged = [i for i in write if i < job.n_staged]
+        writer = job.writer
+        if writer is None:
+            covered = sum(_round_up(job.items[i].data.nbytes, knobs.get().alignment) for i in write)
+            writer = ShardWriter(
+                self.storage,
+                job=self.path,
+                step=job.step,
+                rank=self.rank,
+                world_size=self.world_size,
+                generation=self.generation,
+                size=job.size,
+                recycle_ok=covered == job.size,
+            )
+        writer.write(
+            [job.items[i] for i in staged],
+            [job.offsets[i] for i in staged],
+            image=job.image,
+            digests=[digests[i] for i in staged],
+        )
+        stats.write_s = time.perf_counter() - t0
+        return writer.finish(
+            [job.items[i] for i in write],
+            [job.offsets[i] for i in write],
+            [digests[i] for i in write],
+            verify=self.verify,
+            stats=stats,
         )
 
     def _keep_alive(self, ref: SaveRef, lease_s: float, stop: threading.Event) -> None:
@@ -424,7 +491,7 @@ class Checkpointer:
 
 
 class _SaveJob:
-    __slots__ = ("step", "node", "metadata", "image", "items", "offsets")
+    """One save between its blocking part and its background part."""
 
     def __init__(
         self,
@@ -434,9 +501,20 @@ class _SaveJob:
         image: Any,
         items: list[WriteItem],
         offsets: list[int],
+        n_staged: int,
+        size: int,
     ):
         self.step, self.node, self.metadata = step, node, metadata
         self.image, self.items, self.offsets = image, items, offsets
+        self.n_staged, self.size = n_staged, size
+        # Over the staging budget: the shard file is open and the entries past n_staged
+        # are already written (with these block hashes).
+        self.writer: ShardWriter | None = None
+        self.overflow_digests: list[list[str]] = []
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
 
 
 # Checkpointers still open at interpreter exit flush their save in flight.
