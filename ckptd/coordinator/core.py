@@ -402,8 +402,28 @@ class Coordinator:
         if not s.planned.done():
             s.planned.set_result(None)
 
+    def _ended(self, ref: SaveRef, job: str) -> StatusResult | None:
+        """The final answer for a save this process no longer holds (ended before a
+        restart of the coordinator), from the catalog; None when it is live or unknown."""
+        s = self.sessions.get((job, ref.step))
+        if s is not None and s.generation == ref.generation:
+            return None
+        if (job, ref.step, ref.generation) in self.finished:
+            return None
+        rec = self.catalog.save(job, ref.step)
+        if (
+            rec is not None
+            and rec.generation == ref.generation
+            and rec.status in (COMMITTED, ABORTED)
+        ):
+            return StatusResult(rec.status, rec.reason, rec.manifest_blake3)
+        return None
+
     async def keep_alive(self, ref: SaveRef) -> StatusResult:
         job = self._check_ref(ref)
+        ended = self._ended(ref, job)
+        if ended is not None:
+            return ended
         s = self._session(ref, job)
         return StatusResult(s.status, s.reason, s.manifest_blake3)
 
@@ -417,6 +437,9 @@ class Coordinator:
                 asyncio.to_thread(self._remove_rank_files, name, ref.step, ref.generation, ref.rank)
             )
             raise
+        ended = self._ended(ref, job)
+        if ended is not None:
+            return ended
         s = self._session(ref, job)
         if s.status == ABORTED:
             return StatusResult(ABORTED, s.reason)

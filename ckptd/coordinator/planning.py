@@ -68,6 +68,7 @@ def assign(
             groups.setdefault((c.key, c.chunk_offsets, c.chunk_sizes), []).append((rank, i, c))
     warnings: list[str] = []
     diverged: list[str] = []
+    lowest_rank_writes: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
     by_key: dict[str, list[ChunkPlan]] = {}
     for (key, _, _), holders in groups.items():
         first = holders[0][2]
@@ -90,6 +91,7 @@ def assign(
             msg = f"key {key!r}: replicas differ ({groups_desc})"
             if allow_divergent:
                 warnings.append(msg + "; writing the lowest rank's copy (allow_divergent_replicas)")
+                lowest_rank_writes.add((key, first.chunk_offsets, first.chunk_sizes))
             else:
                 diverged.append(msg)
     if diverged:
@@ -106,8 +108,11 @@ def assign(
     # Largest first, to the least-loaded holder: a greedy balance of write bytes.
     load = dict.fromkeys(plans, 0)
     write: dict[int, list[int]] = {r: [] for r in plans}
-    for holders in sorted(groups.values(), key=lambda hs: (-hs[0][2].length, hs[0][2].key)):
-        rank, idx, c = min(holders, key=lambda h: (load[h[0]], h[0]))
+    for gkey, holders in sorted(groups.items(), key=lambda kv: (-kv[1][0][2].length, kv[0][0])):
+        if gkey in lowest_rank_writes:
+            rank, idx, c = holders[0]  # holders are in rank order
+        else:
+            rank, idx, c = min(holders, key=lambda h: (load[h[0]], h[0]))
         write[rank].append(idx)
         load[rank] += c.length
     for r in write:
