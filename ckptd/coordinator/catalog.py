@@ -19,6 +19,7 @@ import json
 import os
 import sqlite3
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd.errors import CkptError
@@ -143,15 +144,21 @@ class Catalog:
         if not allow_network_fs:
             check_local(path)
         self.created = not os.path.exists(path)
+        # Two connections: writes (and their fsyncs) run on one thread of their own, off
+        # the event loop; reads run on the loop against the other (WAL lets them proceed).
+        self._wdb = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._wdb.execute("PRAGMA journal_mode=WAL")
+        self._wdb.execute("PRAGMA synchronous=FULL")
+        self._wdb.executescript(SCHEMA)
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.executescript(SCHEMA)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckptd-catalog")
         self._pending: list[tuple[str, tuple[Any, ...], asyncio.Future[None]]] = []
         self._flush_task: asyncio.Task[None] | None = None
 
     def close(self) -> None:
+        self._writer.shutdown(wait=True)
         self.db.close()
+        self._wdb.close()
 
     # -- group commit ------------------------------------------------------------------
     async def write(self, sql: str, args: tuple[Any, ...]) -> None:
@@ -164,18 +171,16 @@ class Catalog:
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let the other requests of this tick queue up
+        loop = asyncio.get_running_loop()
         while self._pending:
+            # Writes arriving while this batch is being made durable form the next batch:
+            # under load one fsync covers many reports.
             batch, self._pending = self._pending, []
             try:
-                self.db.execute("BEGIN IMMEDIATE")
-                for sql, args, _ in batch:
-                    self.db.execute(sql, args)
-                self.db.execute("COMMIT")
+                await loop.run_in_executor(
+                    self._writer, self._commit, [(q, a) for q, a, _ in batch]
+                )
             except sqlite3.Error as e:
-                try:
-                    self.db.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
                 err = CatalogError(f"catalog {self.path}: write failed: {e}")
                 for _, _, fut in batch:
                     if not fut.done():
@@ -185,9 +190,22 @@ class Catalog:
                 if not fut.done():
                     fut.set_result(None)
 
+    def _commit(self, batch: list[tuple[str, tuple[Any, ...]]]) -> None:
+        try:
+            self._wdb.execute("BEGIN IMMEDIATE")
+            for sql, args in batch:
+                self._wdb.execute(sql, args)
+            self._wdb.execute("COMMIT")
+        except sqlite3.Error:
+            try:
+                self._wdb.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            raise
+
     def execute(self, sql: str, args: tuple[Any, ...] = ()) -> None:
-        """Synchronous single statement (startup, recovery)."""
-        self.db.execute(sql, args)
+        """Synchronous single statement (startup, recovery; no write may be in flight)."""
+        self._wdb.execute(sql, args)
 
     # -- queries -----------------------------------------------------------------------
     def generation(self, job: str) -> int | None:

@@ -120,6 +120,7 @@ class Session:
         self.manifest_blake3 = ""
         self.bytes = 0
         self.state: Any = None  # merged state tree, once planned
+        self.block_sizes: dict[int, int] = {}  # from each reported index
         self.metadata: dict[str, Any] = {}
 
     def fail(self, reason: str, kind: type[CkptError] = SaveAborted) -> None:
@@ -153,6 +154,9 @@ class Coordinator:
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._open_lock = asyncio.Lock()
+        # Hot-path caches: every RPC names its job and is checked against its generation.
+        self._names: dict[str, str] = {}
+        self._generations: dict[str, int | None] = {}
         # Sessions that ended recently, so client retries get the same answer.
         self.finished: collections.OrderedDict[tuple[str, int, int], Session] = (
             collections.OrderedDict()
@@ -180,6 +184,16 @@ class Coordinator:
     # -- paths -------------------------------------------------------------------------
     def job_name(self, job: str) -> str:
         """The job's path relative to the root; refuses anything outside it."""
+        name = self._names.get(job) if isinstance(job, str) else None
+        if name is not None:
+            return name
+        name = self._job_name(job)
+        if len(self._names) > 10_000:
+            self._names.clear()
+        self._names[job] = name
+        return name
+
+    def _job_name(self, job: str) -> str:
         if not isinstance(job, str) or not job or "\0" in job or len(job) > 4096:
             raise InvalidRequest(f"job path {job[:80]!r} is empty, too long or contains NUL")
         if "://" in self.root:
@@ -229,7 +243,7 @@ class Coordinator:
             raise InvalidRequest(f"job {job!r}: {e}") from None
         if ref.generation < 0 or ref.generation >= 1 << 62:
             raise InvalidRequest(f"job {job!r}: generation {ref.generation} out of range")
-        newest = self.catalog.generation(job)
+        newest = self._newest_generation(job)
         if newest is not None and ref.generation < newest:
             raise StaleGeneration(
                 f"job {job!r} step {ref.step} rank {ref.rank}: generation {ref.generation} is older "
@@ -275,7 +289,7 @@ class Coordinator:
         async with self._open_lock:
             gen = self.catalog.attempt_generation(name, attempt)
             if gen is None:
-                newest = self.catalog.generation(name)
+                newest = self._newest_generation(name)
                 gen = 0 if newest is None else newest + 1
                 await self.catalog.write(
                     "INSERT INTO attempts (job, attempt, generation) VALUES (?, ?, ?)",
@@ -502,12 +516,14 @@ class Coordinator:
                 f"{st.url}/{sdir}/{report.index_path} does not match the reported size/blake3"
             )
         assert s.assignment is not None
+        block_size = _index_block_size(data)
+        s.block_sizes[rank] = block_size
         draft = Manifest(
             job=s.job,
             step=s.step,
             generation=s.generation,
             world_size=s.world_size,
-            block_size=_index_block_size(data),
+            block_size=block_size,
             alignment=4096,
             shards=[],
             state=None,
@@ -558,7 +574,13 @@ class Coordinator:
             for r, rep in sorted(s.reports.items())
         ]
         try:
-            block = await asyncio.to_thread(_shard_block_size, st, s.step, shards)
+            sizes = set(s.block_sizes.values())
+            if len(sizes) != 1:
+                raise CkptError(
+                    f"step {s.step}: ranks used different hash block sizes {sorted(sizes)}; "
+                    "set CKPT_BLOCK_SIZE equally on every rank"
+                )
+            block = sizes.pop()
             m = Manifest(
                 job=s.job,
                 step=s.step,
@@ -665,14 +687,21 @@ class Coordinator:
         return rec
 
     # -- aborts, leases, retention -----------------------------------------------------
+    def _newest_generation(self, job: str) -> int | None:
+        if job not in self._generations:
+            self._generations[job] = self.catalog.generation(job)
+        return self._generations[job]
+
     async def _advance_generation(self, job: str, generation: int) -> None:
-        newest = self.catalog.generation(job)
+        newest = self._newest_generation(job)
         if newest is not None and generation < newest:
             raise StaleGeneration(f"job {job!r}: generation {generation} is older than {newest}")
         if newest is None or generation > newest:
             await self.catalog.write(
                 "INSERT OR REPLACE INTO jobs (job, generation) VALUES (?, ?)", (job, generation)
             )
+            if (self._generations.get(job) or 0) <= generation:
+                self._generations[job] = generation
             for (j, _), s in list(self.sessions.items()):
                 if j == job and s.generation < generation and s.status == OPEN:
                     await self._abort(
@@ -882,7 +911,7 @@ class Coordinator:
         n = 0
         for job in _find_jobs(self.root) if "://" not in self.root else []:
             st = self.storage(job)
-            gen = 0
+            gen, found = 0, 0
             for info in ckfmt.list_steps(st):
                 if info.manifest is None:
                     continue
@@ -906,11 +935,14 @@ class Coordinator:
                     ),
                 )
                 gen = max(gen, m.generation)
-                n += 1
-            if self.catalog.generation(job) is None and n:
+                found += 1
+            n += found
+            newest = self.catalog.generation(job)
+            if found and (newest is None or newest < gen):
                 self.catalog.execute(
                     "INSERT OR REPLACE INTO jobs (job, generation) VALUES (?, ?)", (job, gen)
                 )
+                self._generations[job] = gen
         return n
 
 

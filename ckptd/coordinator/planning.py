@@ -135,16 +135,8 @@ def _check_tiling(key: str, chunks: list[ChunkPlan]) -> None:
                 f"key {key!r}: chunk {list(c.chunk_offsets)}+{list(c.chunk_sizes)} lies outside shape {list(shape)}"
             )
         total += math.prod(c.chunk_sizes)
-    if len(chunks) > 1:
-        ordered = sorted(chunks, key=lambda c: c.chunk_offsets)
-        # Quadratic only in the number of distinct chunks of one key (ranks holding parts).
-        for i, a in enumerate(ordered):
-            for b in ordered[i + 1 :]:
-                if _overlap(a, b):
-                    raise InvalidRequest(
-                        f"key {key!r}: chunks {list(a.chunk_offsets)}+{list(a.chunk_sizes)} and "
-                        f"{list(b.chunk_offsets)}+{list(b.chunk_sizes)} overlap but are not equal"
-                    )
+    if len(chunks) > 1 and shape:
+        _check_disjoint(key, chunks)
     if total != math.prod(shape):
         raise InvalidRequest(
             f"key {key!r}: the ranks' chunks cover {total} of {math.prod(shape)} elements of "
@@ -152,48 +144,89 @@ def _check_tiling(key: str, chunks: list[ChunkPlan]) -> None:
         )
 
 
+def _check_disjoint(key: str, chunks: list[ChunkPlan]) -> None:
+    """No two distinct boxes overlap: a sweep along the dimension with the most distinct
+    offsets, comparing a box only with the boxes still open at its start (linear for the
+    usual splits, where that dimension is the sharded one)."""
+    ndim = len(chunks[0].shape)
+    d = max(range(ndim), key=lambda i: len({c.chunk_offsets[i] for c in chunks}))
+    active: list[ChunkPlan] = []
+    for c in sorted(chunks, key=lambda c: c.chunk_offsets[d]):
+        start = c.chunk_offsets[d]
+        active = [a for a in active if a.chunk_offsets[d] + a.chunk_sizes[d] > start]
+        for a in active:
+            if _overlap(a, c) and 0 not in a.chunk_sizes and 0 not in c.chunk_sizes:
+                raise InvalidRequest(
+                    f"key {key!r}: chunks {list(a.chunk_offsets)}+{list(a.chunk_sizes)} and "
+                    f"{list(c.chunk_offsets)}+{list(c.chunk_sizes)} overlap but are not equal"
+                )
+        active.append(c)
+
+
 # ----------------------------------------------------------------------------- state
 
 
 def merge_states(states: Mapping[int, Any]) -> Any:
-    """One state tree from every rank's: equal everywhere except per-rank nodes."""
+    """One state tree from every rank's: equal everywhere except per-rank nodes.
+
+    All ranks are merged in one walk (per-rank entries are gathered, not re-merged pair by
+    pair), so the cost is linear in ranks x tree size.
+    """
     ranks = sorted(states)
-    merged = states[ranks[0]]
-    for r in ranks[1:]:
-        merged = _merge(merged, states[r], "", ranks[0], r)
-    return merged
+    return _merge_all([(r, states[r]) for r in ranks], "")
 
 
-def _merge(a: Any, b: Any, path: str, ra: int, rb: int) -> Any:
-    if isinstance(a, dict) and isinstance(b, dict) and len(a) == 1 and len(b) == 1:
-        ((ta, ba),) = a.items()
-        ((tb, bb),) = b.items()
-        if ta == tb == "per_rank":
-            seen = {int(x[0]) for x in ba}
-            return {"per_rank": [*ba, *(x for x in bb if int(x[0]) not in seen)]}
-        if ta == tb and ta in ("list", "tuple") and len(ba) == len(bb):
+def _merge_all(nodes: list[tuple[int, Any]], path: str) -> Any:
+    r0, first = nodes[0]
+    if isinstance(first, dict) and len(first) == 1:
+        ((tag, body),) = first.items()
+        same_tag = all(isinstance(n, dict) and len(n) == 1 and tag in n for _, n in nodes)
+        if same_tag and tag == "per_rank":
+            merged: list[Any] = []
+            seen: set[int] = set()
+            for _, n in nodes:
+                for pair in n["per_rank"]:
+                    if int(pair[0]) not in seen:
+                        seen.add(int(pair[0]))
+                        merged.append(pair)
+            return {"per_rank": merged}
+        if (
+            same_tag
+            and tag in ("list", "tuple")
+            and all(len(n[tag]) == len(body) for _, n in nodes)
+        ):
             return {
-                ta: [
-                    _merge(x, y, f"{path}/{i}", ra, rb)
-                    for i, (x, y) in enumerate(zip(ba, bb, strict=True))
+                tag: [
+                    _merge_all([(r, n[tag][i]) for r, n in nodes], f"{path}/{i}")
+                    for i in range(len(body))
                 ]
             }
-        if ta == tb == "dict" and [k for k, _ in ba] == [k for k, _ in bb]:
-            return {
-                "dict": [
-                    [k, _merge(x, y, f"{path}/{_label(k)}", ra, rb)]
-                    for (k, x), (_, y) in zip(ba, bb, strict=True)
-                ]
-            }
-        if ta == tb == "stateful":
-            return {"stateful": _merge(ba, bb, path, ra, rb)}
-    if _canon(a) == _canon(b):
-        return a
-    raise DivergentReplicas(
-        f"state key {path or '<root>'!r}: rank {ra} and rank {rb} hold different values "
-        f"({_canon(a)[:60]} vs {_canon(b)[:60]}); non-tensor values are replicated and must be "
-        "equal on every rank; wrap values that are genuinely per rank in ckpt.PerRank(value)"
-    )
+        if same_tag and tag == "dict":
+            keys = [k for k, _ in body]
+            if all([k for k, _ in n["dict"]] == keys for _, n in nodes):
+                return {
+                    "dict": [
+                        [
+                            k,
+                            _merge_all(
+                                [(r, n["dict"][i][1]) for r, n in nodes], f"{path}/{_label(k)}"
+                            ),
+                        ]
+                        for i, k in enumerate(keys)
+                    ]
+                }
+        if same_tag and tag == "stateful":
+            return {"stateful": _merge_all([(r, n["stateful"]) for r, n in nodes], path)}
+    want = _canon(first)
+    for r, n in nodes[1:]:
+        got = _canon(n)
+        if got != want:
+            raise DivergentReplicas(
+                f"state key {path or '<root>'!r}: rank {r0} and rank {r} hold different values "
+                f"({want[:60]} vs {got[:60]}); non-tensor values are replicated and must be "
+                "equal on every rank; wrap values that are genuinely per rank in ckpt.PerRank(value)"
+            )
+    return first
 
 
 def _label(k: Any) -> str:

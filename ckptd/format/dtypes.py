@@ -7,7 +7,10 @@ reader can validate byte lengths before it allocates anything.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported lazily: the coordinator never needs it
+    import torch
 
 # name -> item size in bytes. Order is only for documentation.
 _ITEMSIZE: dict[str, int] = {
@@ -35,22 +38,33 @@ _ITEMSIZE: dict[str, int] = {
     "int64": 8,
 }
 
-_BY_NAME: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in _ITEMSIZE
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
-_BY_DTYPE: dict[torch.dtype, str] = {dt: name for name, dt in _BY_NAME.items()}
+# Every name is a dtype of the torch versions we support (float8_e8m0fnu and
+# float4_e2m1fn_x2 since 2.7); an older torch simply cannot load those entries.
+SUPPORTED = tuple(_ITEMSIZE)
+_BY_NAME: dict[str, torch.dtype] = {}
+_BY_DTYPE: dict[torch.dtype, str] = {}
 
-SUPPORTED = tuple(_BY_NAME)
+
+def _tables() -> None:
+    if _BY_NAME:
+        return
+    import torch
+
+    for name in _ITEMSIZE:
+        dt = getattr(torch, name, None)
+        if isinstance(dt, torch.dtype):
+            _BY_NAME[name] = dt
+            _BY_DTYPE[dt] = name
 
 
 def name_of(dtype: torch.dtype) -> str | None:
     """The storage name of a torch dtype, or None when ckptd cannot store it."""
+    _tables()
     return _BY_DTYPE.get(dtype)
 
 
 def from_name(name: str) -> torch.dtype:
+    _tables()
     try:
         return _BY_NAME[name]
     except (KeyError, TypeError):

@@ -47,6 +47,10 @@ async def create_server(
             ("grpc.max_receive_message_length", opts.max_message_bytes),
             ("grpc.max_send_message_length", opts.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # gRPC cancels calls beyond 1,000 (soft) / 3,000 (hard) waiting for a handler;
+            # a save of N ranks holds N BeginSave calls at the barrier.
+            ("grpc.server.max_pending_requests", opts.max_concurrent_rpcs),
+            ("grpc.server.max_pending_requests_hard_limit", opts.max_concurrent_rpcs),
         ],
         maximum_concurrent_rpcs=opts.max_concurrent_rpcs,
     )
