@@ -197,7 +197,7 @@ class Checkpointer:
         self._raise_unseen(prev)
         t0 = time.perf_counter()
         try:
-            node, leaves = flatten(state, rank=self.rank)
+            node, leaves = flatten(state, rank=self.rank, keep_device=True)
             t1 = time.perf_counter()
             job = self._stage(step, node, meta, leaves)
         except BaseException as e:
@@ -229,7 +229,7 @@ class Checkpointer:
         when another replica writes them, they are simply not in this shard's index.
         """
         align = knobs.get().alignment
-        sizes = [leaf.data.nbytes for leaf in leaves]
+        sizes = [leaf.nbytes for leaf in leaves]
         offsets, size = plan_offsets(sizes, align)
         budget = self.staging_budget_bytes
         n = len(leaves)
@@ -240,7 +240,12 @@ class Checkpointer:
         image, staged, _ = stage(leaves[:n], self._image, alignment=align)
         items = staged + [
             WriteItem(
-                leaf.key, leaf.dtype, leaf.shape, leaf.chunk_offsets, leaf.chunk_sizes, leaf.data
+                leaf.key,
+                leaf.dtype,
+                leaf.shape,
+                leaf.chunk_offsets,
+                leaf.chunk_sizes,
+                leaf.host_bytes(),
             )
             for leaf in leaves[n:]
         ]

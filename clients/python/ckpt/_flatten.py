@@ -35,8 +35,19 @@ class Leaf:
     source: Any  # the tensor/array the bytes come from (kept alive while writing)
     chunk_offsets: list[int] = dataclasses.field(default_factory=list)
     chunk_sizes: list[int] = dataclasses.field(default_factory=list)
+    nbytes: int = -1  # the tensor's size in bytes (data is empty while on_device)
+
+    @property
+    def on_device(self) -> bool:
+        return self.data.nbytes < self.nbytes
+
+    def host_bytes(self) -> np.ndarray:
+        """The bytes in host memory (copies a device tensor to the CPU)."""
+        return tensor_bytes(self.source.cpu()) if self.on_device else self.data
 
     def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            self.nbytes = self.data.nbytes
         if not self.chunk_sizes and self.shape:
             self.chunk_offsets = [0] * len(self.shape)
             self.chunk_sizes = list(self.shape)
@@ -112,9 +123,13 @@ def _numpy_dtype_name(a: np.ndarray) -> str | None:
     return name
 
 
+_NO_BYTES = np.zeros(0, dtype=np.uint8)
+
+
 class _Flattener:
-    def __init__(self, rank: int = 0) -> None:
+    def __init__(self, rank: int = 0, keep_device: bool = False) -> None:
         self.rank = rank
+        self.keep_device = keep_device
         self.leaves: list[Leaf] = []
         self.keys: set[str] = set()
         self.by_storage: dict[tuple[Any, ...], str] = {}
@@ -203,8 +218,10 @@ class _Flattener:
                 f"state key {where!r}: dtype {t.dtype} is not supported; supported: "
                 f"{', '.join(dtypes.SUPPORTED)}"
             )
-        if t.device.type != "cpu":
+        on_device = t.device.type != "cpu"
+        if on_device and not self.keep_device:
             t = t.detach().to("cpu")
+            on_device = False
         sig = None
         if t.numel():
             st = t.untyped_storage()
@@ -214,7 +231,14 @@ class _Flattener:
         key = self.unique_key(path)
         if sig is not None:
             self.by_storage[sig] = key
-        self.leaves.append(Leaf(key, "tensor", name, list(t.shape), tensor_bytes(t), t))
+        if on_device:
+            # The stager copies it device-to-host into pinned memory; no host copy here.
+            src = t.detach().contiguous()
+            leaf = Leaf(key, "tensor", name, list(t.shape), _NO_BYTES, src)
+            leaf.nbytes = src.numel() * src.element_size()
+            self.leaves.append(leaf)
+        else:
+            self.leaves.append(Leaf(key, "tensor", name, list(t.shape), tensor_bytes(t), t))
         return key
 
     def dtensor(self, t: Any, path: list[str], where: str) -> str:
@@ -253,8 +277,12 @@ class _Flattener:
         return key
 
 
-def flatten(state: Any, rank: int = 0) -> tuple[Any, list[Leaf]]:
-    """(node tree, tensor leaves) of a state; raises UnsupportedValue naming the key."""
-    f = _Flattener(rank)
+def flatten(state: Any, rank: int = 0, *, keep_device: bool = False) -> tuple[Any, list[Leaf]]:
+    """(node tree, tensor leaves) of a state; raises UnsupportedValue naming the key.
+
+    keep_device: leave accelerator tensors where they are (leaf.on_device; the stager
+    copies them into pinned host memory); otherwise they are copied to the CPU here.
+    """
+    f = _Flattener(rank, keep_device)
     node = f.walk(state, [], set())
     return node, f.leaves

@@ -75,7 +75,7 @@ def stage(
     The items' data are views into the image, so the caller may let training mutate the
     tensors as soon as this returns.
     """
-    sizes = [leaf.data.nbytes for leaf in leaves]
+    sizes = [leaf.nbytes for leaf in leaves]
     offsets, size = plan_offsets(sizes, alignment)
     buf = image.ensure(size)
     base = int(buf.ctypes.data)
@@ -84,11 +84,7 @@ def stage(
         end = offsets[i + 1] if i + 1 < len(offsets) else size
         if end > off + n:
             ctypes.memset(base + off + n, 0, end - off - n)
-    cuda = [
-        i
-        for i, leaf in enumerate(leaves)
-        if isinstance(leaf.source, torch.Tensor) and leaf.source.is_cuda
-    ]
+    cuda = [i for i, leaf in enumerate(leaves) if leaf.on_device]
     if cuda:
         image.pin()
         _stage_cuda(leaves, cuda, buf, offsets)
