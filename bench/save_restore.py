@@ -412,6 +412,23 @@ method("ckpt", "ckpt save(verify=size, preallocate)")(
 method("ckpt", "ckpt save(verify=full)")(lambda b: ckpt_save(b, "full", key="ckpt"))
 
 
+@method("ckpt", "ckpt save(verify=size, recycled)")
+def ckpt_save_recycled(b: Bench) -> float:
+    """Periodic checkpointing with keep_last=1: each save overwrites the blocks of the
+    shard file retention retired from the previous step (ckptd's recycle pool)."""
+    import ckpt
+
+    job = b.work / "ckpt-recycled"
+    step = b.notes.get("recycled_step", 0) + 1
+    if step == 1:  # prime the pool, untimed
+        ckpt.save(b.state, job, step=step, verify="size", keep_last=1)
+        step += 1
+    with Clock(b) as clk:
+        ckpt.save(b.state, job, step=step, verify="size", keep_last=1)
+    b.notes["recycled_step"] = step
+    return clk.s
+
+
 def _saved_ckpt(b: Bench) -> float:
     return ckpt_save(b, "full", key="ckpt")
 
@@ -524,6 +541,7 @@ def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
     verify_floor = min(cold_read, med.get("blake3, 2 threads", nan))
     save = med.get("ckpt save(verify=size)", nan)
     pre = med.get("ckpt save(verify=size, preallocate)", nan)
+    rec = med.get("ckpt save(verify=size, recycled)", nan)
     full = med.get("ckpt save(verify=full)", nan)
     load = med.get("ckpt load", nan)
     ver = med.get("ckptctl verify --level full", nan)
@@ -536,6 +554,8 @@ def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
         ("ckpt save(size, prealloc) / raw O_DIRECT fallocated write", pre, falloc, 0.8),
         ("ckpt save(size, prealloc) / raw O_DIRECT overwrite (info)", pre, overwrite, None),
         ("ckpt save(size, prealloc) / DCP save", pre, dcp_save, 1.5),
+        ("ckpt save(size, recycled) / raw O_DIRECT overwrite", rec, overwrite, 0.8),
+        ("ckpt save(size, recycled) / DCP save", rec, dcp_save, 1.5),
         ("ckpt save(full) / raw write + cold read back", full, write_read, 0.8),
         ("ckpt load / best raw O_DIRECT cold read", load, direct_read, 0.8),
         ("ckpt load / DCP load", load, dcp_load, 1.5),
