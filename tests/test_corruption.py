@@ -174,8 +174,8 @@ def test_corruption_is_detected(job, two_steps, ckptctl, case):
     if key is not None:
         assert any(key in p for p in report["problems"])
 
-    # ckpt.load, explicit step and newest: raises, names the file and key.
-    for kwargs in ({"step": 2}, {}):
+    # ckpt.load, explicit step and newest without fallback: raises, names the file and key.
+    for kwargs in ({"step": 2}, {"fallback": False}):
         with pytest.raises(ckpt.CorruptCheckpoint) as ei:
             ckpt.load({}, job, **kwargs)
         assert isinstance(ei.value, err_type), type(ei.value)
@@ -202,6 +202,19 @@ def test_corruption_is_detected(job, two_steps, ckptctl, case):
     rc, out, err = ckptctl("verify", job, "--step", "1")
     assert rc == 0, (out, err)
     assert_same(ckpt.load({}, job, step=1).state, two_steps[1])
+
+    # The newest, with fallback (the default): step 1 is loaded, step 2 quarantined, loudly.
+    lr = ckpt.load({}, job)
+    assert lr.step == 1 and lr.fell_back_from == 2 and lr.quarantined == [2]
+    assert lr.fallback_reason is not None and fname in lr.fallback_reason
+    if key is not None:
+        assert key in lr.fallback_reason
+    assert_same(lr.state, two_steps[1])
+    rc, out, _ = ckptctl("list", job, "--json")
+    assert [(s["step"], s["status"]) for s in json.loads(out)["steps"]] == [
+        (1, "COMMITTED"),
+        (2, "QUARANTINED"),
+    ]
 
     # --all sees both.
     rc, out, _ = ckptctl("verify", job, "--all", "--json")

@@ -5,11 +5,21 @@ its MANIFEST.json exists and parses; everything else in a step directory is eith
 of a committed step or debris of a save that never committed. Opening a step checks the
 manifest, every index against the digest the manifest holds, and every shard's size,
 before a single tensor byte is read.
+
+A committed step that later fails verification on load is *quarantined*: a
+`QUARANTINED.json` marker (reason, time, host) is written into its directory, atomically.
+Its manifest stays, so it can still be inspected, verified or loaded by explicit step, but
+listing reports it as QUARANTINED and the newest-step resolution (resume, load without a
+step) skips it. Removing the marker puts the step back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import socket
+import time
 from collections.abc import Callable
 
 from ckptd import knobs
@@ -37,6 +47,9 @@ from ckptd.storage.base import Storage
 COMMITTED = "COMMITTED"
 INCOMPLETE = "INCOMPLETE"  # a step directory without a manifest: an unfinished save
 INVALID = "INVALID"  # a manifest that does not parse
+QUARANTINED = "QUARANTINED"  # committed, but failed verification at load time: skipped
+QUARANTINE_NAME = "QUARANTINED.json"
+_MAX_MARKER_BYTES = 1 << 16
 
 
 @dataclasses.dataclass
@@ -96,10 +109,57 @@ def list_steps(storage: Storage) -> list[StepInfo]:
             )
             continue
         try:
-            out.append(StepInfo(step, COMMITTED, manifest=read_manifest(storage, step)))
+            m = read_manifest(storage, step)
         except CkptError as e:
             out.append(StepInfo(step, INVALID, error=str(e)))
+            continue
+        reason = quarantine_reason(storage, step)
+        if reason is not None:
+            out.append(StepInfo(step, QUARANTINED, manifest=m, error=reason))
+        else:
+            out.append(StepInfo(step, COMMITTED, manifest=m))
     return sorted(out, key=lambda s: s.step)
+
+
+def quarantine_reason(storage: Storage, step: int) -> str | None:
+    """Why the step was quarantined, or None when it is not."""
+    path = f"{layout.step_dir(step)}/{QUARANTINE_NAME}"
+    if not storage.exists(path):
+        return None
+    try:
+        doc = json.loads(storage.read_bytes(path, limit=_MAX_MARKER_BYTES))
+        reason = doc.get("reason") if isinstance(doc, dict) else None
+        return str(reason) if reason else "quarantined (no reason recorded)"
+    except (CkptError, ValueError, UnicodeDecodeError):
+        return "quarantined (the marker is unreadable)"
+
+
+def quarantine(storage: Storage, step: int, reason: str) -> None:
+    """Mark a committed step as bad so that newest-step resolution skips it.
+
+    The marker is written atomically; the manifest and shards are left as they are (for
+    inspection, `ckptctl verify`, or loading by explicit step).
+    """
+    doc = {
+        "step": step,
+        "reason": reason[:8000],
+        "time_unix": time.time(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+    storage.write_atomic(
+        f"{layout.step_dir(step)}/{QUARANTINE_NAME}", json.dumps(doc, indent=1).encode()
+    )
+
+
+def unquarantine(storage: Storage, step: int) -> bool:
+    """Remove a step's quarantine marker; True when there was one."""
+    path = f"{layout.step_dir(step)}/{QUARANTINE_NAME}"
+    if not storage.exists(path):
+        return False
+    storage.remove_tree(path)
+    return True
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:
@@ -120,7 +180,7 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
 
 
 def latest_step(storage: Storage) -> int | None:
-    """The newest step whose manifest parses, or None."""
+    """The newest committed step that is not quarantined, or None."""
     committed = [s.step for s in list_steps(storage) if s.status == COMMITTED]
     return committed[-1] if committed else None
 
@@ -139,6 +199,11 @@ def resolve_step(storage: Storage, step: int | None) -> int:
             "Nothing was loaded; check the job's logs for the failed saves"
         )
     raise CheckpointNotFound(f"{storage.url} holds no checkpoints (no step-* directories)")
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """Committed, not quarantined steps, newest first (the order a load tries them in)."""
+    return [s.step for s in reversed(list_steps(storage)) if s.status == COMMITTED]
 
 
 def open_checkpoint(storage: Storage, step: int | None = None) -> OpenCheckpoint:

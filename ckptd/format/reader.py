@@ -5,6 +5,12 @@ read, so its hash can be checked from one buffer), small neighbouring entries ar
 coalesced into one read. Every block is hashed before its bytes are handed to the sink
 (the copy into the destination tensor), so a corrupt block never reaches the caller's
 memory. The same machinery serves load, verification after write, and `ckptctl verify`.
+
+A read may ask for byte ranges of an entry rather than all of it (a resharded load needs
+the overlap of a saved chunk with the chunk a rank wants): only the blocks that cover
+those ranges are read, and they are read whole, because a block can only be verified
+whole. The sink then sees every byte of those blocks, verified, and picks what it needs;
+nothing outside the covering blocks is read.
 """
 
 from __future__ import annotations
@@ -40,17 +46,44 @@ class ReadWindow:
     parts: list[ReadPart]
 
 
+@dataclasses.dataclass
+class EntryRead:
+    """What to read of one entry: byte ranges [start, end) inside it, or all of it (None)."""
+
+    entry: IndexEntry
+    ranges: Sequence[tuple[int, int]] | None = None
+
+
+def covering_blocks(length: int, block: int, ranges: Sequence[tuple[int, int]] | None) -> list[int]:
+    """The blocks of an entry of `length` bytes that hold any byte of `ranges`, ascending."""
+    n = hashing.n_blocks(length, block)
+    if ranges is None:
+        return list(range(n))
+    out: set[int] = set()
+    for start, end in ranges:
+        if not 0 <= start <= end <= length:
+            raise ValueError(f"byte range [{start}, {end}) is outside an entry of {length} bytes")
+        if end > start:
+            out.update(range(start // block, (end - 1) // block + 1))
+    return sorted(out)
+
+
 def plan_reads(
-    entries: Sequence[IndexEntry], block: int, window: int, gap: int = 4096
+    entries: Sequence[IndexEntry | EntryRead], block: int, window: int, gap: int = 4096
 ) -> list[ReadWindow]:
-    """Windows of whole blocks, coalescing neighbours separated by at most `gap` bytes."""
-    order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
+    """Windows of whole blocks, coalescing neighbours separated by at most `gap` bytes.
+
+    An EntryRead with ranges reads only the blocks covering them; blocks it skips split
+    windows like any other gap.
+    """
+    reads = [r if isinstance(r, EntryRead) else EntryRead(r) for r in entries]
+    order = sorted(range(len(reads)), key=lambda i: reads[i].entry.offset)
     limit = max(window, block)
     out: list[ReadWindow] = []
     cur: ReadWindow | None = None
     for i in order:
-        e = entries[i]
-        for b in range(hashing.n_blocks(e.length, block)):
+        e = reads[i].entry
+        for b in covering_blocks(e.length, block, reads[i].ranges):
             s = b * block
             n = min(block, e.length - s)
             lo = e.offset + s
@@ -70,7 +103,7 @@ def plan_reads(
 def read_entries(
     storage: Storage,
     path: str,
-    entries: Sequence[IndexEntry],
+    entries: Sequence[IndexEntry | EntryRead],
     block: int,
     *,
     sink: Sink | None = None,
@@ -79,15 +112,20 @@ def read_entries(
     collect: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> list[CorruptCheckpoint]:
-    """Read and verify every block of `entries` from one shard file.
+    """Read and verify the blocks of `entries` from one shard file.
 
-    With collect=False the first mismatch raises HashMismatch; with collect=True all
+    An IndexEntry is read whole; an EntryRead with ranges reads the whole blocks that cover
+    its ranges. The sink gets (position in `entries`, byte offset of the data inside the
+    entry, verified bytes): one call per block, always a whole block, which may extend past
+    the requested ranges. The bytes may live in a per-thread buffer: consume them in the
+    sink. With collect=False the first mismatch raises HashMismatch; with collect=True all
     problems are returned (ckptctl verify reports every bad key, not the first).
     """
     k = knobs.get()
     windows = plan_reads(entries, block, k.io_window)
     if not windows:
         return []
+    plain = [r.entry if isinstance(r, EntryRead) else r for r in entries]
     handle = storage.open_read(path, cold=cold)
     problems: list[CorruptCheckpoint] = []
 
@@ -98,14 +136,14 @@ def read_entries(
         except StorageError as e:
             err = CorruptCheckpoint(
                 f"{storage.url}/{path}: reading bytes {w.offset}..{w.offset + w.length} "
-                f"(key {entries[w.parts[0].entry].key!r}) failed: {e}"
+                f"(key {plain[w.parts[0].entry].key!r}) failed: {e}"
             )
             if not collect:
                 raise err from e
             return [err]
         for p in w.parts:
             view = data[p.at : p.at + p.length]
-            ent = entries[p.entry]
+            ent = plain[p.entry]
             got = hashing.digest(view)
             if got != ent.blake3[p.block]:
                 err = HashMismatch(

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from ckpt._flatten import flatten
-from ckpt._restore import Planner
+from ckpt._restore import LoadResult, load_checkpoint
 from ckptd import knobs
 from ckptd.errors import UnsupportedValue
 from ckptd.format import checkpoint as ckfmt
@@ -40,21 +40,6 @@ class SaveResult:
     write_s: float = 0.0  # writing + hashing + fsync
     verify_s: float = 0.0  # re-reading and checking
     tensors: int = 0
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadResult:
-    step: int
-    path: str
-    bytes: int
-    seconds: float
-    tensors: int = 0
-    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
-    state: Any = None  # the restored state (the object passed in, or a new structure)
 
     @property
     def gbps(self) -> float:
@@ -232,30 +217,32 @@ def load(
     *,
     step: int | None = None,
     strict: bool = True,
+    keys: str | list[str] | None = None,
+    cast: bool = False,
+    fallback: bool = True,
     io_threads: int | None = None,
 ) -> LoadResult:
     """Load step `step` (default: the newest committed) into `state`, in place.
 
-    Tensors in `state` are filled where they are; keys the checkpoint has and `state`
+    Tensors in `state` are filled where they are, whatever the world size and sharding at
+    save time (a DTensor gets its local shard); keys the checkpoint has and `state`
     lacks are added to its dicts; objects with load_state_dict() receive their state.
     Every byte is checked against its blake3 before it reaches `state`. A mismatch in
     keys, dtypes or shapes raises StateMismatch before anything is modified.
+
+    keys: glob patterns over the saved keys; only those are loaded. strict=False: missing
+    and unexpected keys are reported in the result instead of raising. cast=True: load
+    into tensors of another dtype. fallback (no explicit step): when the newest step fails
+    verification, quarantine it and load the previous one (see docs/restore.md).
     """
-    t0 = time.perf_counter()
-    storage = open_storage(path)
-    ck = ckfmt.open_checkpoint(storage, step)
-    planner = Planner(ck, strict=strict, rank=_world()[0])
-    restored = planner.restore(ck.manifest.state, state, "")
-    planner.check()
-    nbytes = planner.read(threads=io_threads)
-    seconds = time.perf_counter() - t0
-    log.info("loaded step %d: %.2f GB in %.2f s", ck.step, nbytes / 1e9, seconds)
-    return LoadResult(
-        step=ck.step,
-        path=f"{storage.url}/{layout.step_dir(ck.step)}",
-        bytes=nbytes,
-        seconds=seconds,
-        tensors=len(planner.dests),
-        metadata=ck.manifest.metadata,
-        state=restored,
+    return load_checkpoint(
+        open_storage(path),
+        state,
+        step=step,
+        strict=strict,
+        keys=keys,
+        cast=cast,
+        fallback=fallback,
+        rank=_world()[0],
+        threads=io_threads,
     )

@@ -29,7 +29,7 @@ from ckpt._api import LoadResult, SaveResult, _check_metadata
 from ckpt._embedded import EmbeddedCoordinator
 from ckpt._flatten import flatten
 from ckpt._pending import PendingSave
-from ckpt._restore import Planner
+from ckpt._restore import load_checkpoint
 from ckpt._staging import HostImage, stage
 from ckpt._transport import CoordinatorClient
 from ckptd import knobs
@@ -432,23 +432,32 @@ class Checkpointer:
             log.warning("could not tell the coordinator that step %d failed: %s", ref.step, e)
 
     # -- load --------------------------------------------------------------------------
-    def load(self, state: Any, step: int | None = None, *, strict: bool = True) -> LoadResult:
-        """Load `step` (default: newest committed) into `state` on this rank, verified."""
+    def load(
+        self,
+        state: Any,
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        keys: str | list[str] | None = None,
+        cast: bool = False,
+        fallback: bool = True,
+    ) -> LoadResult:
+        """Load `step` (default: newest committed) into `state` on this rank, verified.
+
+        Reshards to this rank's DTensor placements whatever the world size at save time;
+        keys/strict/cast/fallback as in ckpt.load. With fallback and no explicit step,
+        every rank of an initialized process group must call this (they agree on the step).
+        """
         self._check_open()
-        t0 = time.perf_counter()
-        ck = ckfmt.open_checkpoint(self.storage, step)
-        planner = Planner(ck, strict=strict, rank=self.rank)
-        restored = planner.restore(ck.manifest.state, state, "")
-        planner.check()
-        nbytes = planner.read()
-        return LoadResult(
-            step=ck.step,
-            path=f"{self.storage.url}/{layout.step_dir(ck.step)}",
-            bytes=nbytes,
-            seconds=time.perf_counter() - t0,
-            tensors=len(planner.dests),
-            metadata=ck.manifest.metadata,
-            state=restored,
+        return load_checkpoint(
+            self.storage,
+            state,
+            step=step,
+            strict=strict,
+            keys=keys,
+            cast=cast,
+            fallback=fallback,
+            rank=self.rank,
         )
 
     def latest_step(self) -> int | None:

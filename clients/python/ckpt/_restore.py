@@ -1,31 +1,71 @@
-"""Restore a checkpoint's node tree into a user's state, in place.
+"""Restore a checkpoint's node tree into a user's state, in place, at any world size.
 
 Planning comes first and touches nothing: the saved tree is walked beside the target,
 every mismatch (missing key, dtype, shape) is collected, and every tensor gets a
-destination (the target tensor itself when it is a contiguous CPU tensor of the right
-dtype and shape, else a new buffer copied in afterwards). Only when the plan is whole are
-bytes read, straight into those destinations, block by verified block. Objects with
-load_state_dict() get their state after all reads, children before parents.
+destination: the box of the global tensor this rank wants (the whole tensor, or a
+DTensor's local shard) and a buffer for it (the target tensor itself when it is a
+contiguous CPU tensor of the saved dtype, else a staging buffer copied in afterwards:
+pinned for CUDA targets, the saved dtype when casting). Then, for every saved chunk of
+that tensor that overlaps the wanted box, only the hash blocks covering the overlap are
+read (ckptd.format.reshard), verified, and copied from the I/O buffer straight into the
+destination; a saved chunk of the same box as the wanted one is one contiguous read.
+Objects with load_state_dict() get their state after all reads, children before parents;
+assignments into the caller's dicts and lists happen only after every read succeeded.
+
+`load_checkpoint` adds the policy around one load: which step, and what to do when the
+newest committed step fails verification (fall back to the previous one, quarantine the
+bad one, say so loudly; under torch.distributed every rank agrees on the step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
-from collections.abc import Callable, MutableMapping, MutableSequence
+import logging
+import math
+import time
+from collections.abc import Callable, MutableMapping, MutableSequence, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from ckpt._flatten import PerRank, is_stateful, tensor_bytes
-from ckptd.errors import InvalidManifest, StateMismatch
-from ckptd.format import dtypes, values
+from ckpt._flatten import PerRank, _component, is_stateful, tensor_bytes
+from ckptd.errors import CkptError, CorruptCheckpoint, InvalidManifest, StateMismatch
+from ckptd.format import checkpoint as ckfmt
+from ckptd.format import dtypes, layout, values
 from ckptd.format.checkpoint import Chunk, OpenCheckpoint
 from ckptd.format.manifest import IndexEntry
-from ckptd.format.reader import read_entries
-from ckptd.storage.local import copy_into
+from ckptd.format.reader import EntryRead, covering_blocks, read_entries
+from ckptd.format.reshard import Overlap, intersect
+from ckptd.storage.base import Storage
+
+log = logging.getLogger("ckpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    step: int
+    path: str
+    bytes: int  # bytes read from storage (whole hash blocks), all verified
+    seconds: float
+    tensors: int = 0
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    state: Any = None  # the restored state (the object passed in, or a new structure)
+    # strict=False: keys the state has and the checkpoint lacks (left as they were), and
+    # saved keys the state has no place for (not loaded).
+    missing_keys: list[str] = dataclasses.field(default_factory=list)
+    unexpected_keys: list[str] = dataclasses.field(default_factory=list)
+    # Set when the newest committed step failed verification and an older one was loaded.
+    fell_back_from: int | None = None
+    fallback_reason: str | None = None
+    quarantined: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
 @dataclasses.dataclass
@@ -39,15 +79,50 @@ class _Dest:
     sizes: tuple[int, ...] = ()
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.detach().copy_(src)
+def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    dst.detach().copy_(src, non_blocking=non_blocking)
+
+
+def _join(path: str, component: str) -> str:
+    return f"{path}/{component}" if path else component
+
+
+def _keys_patterns(keys: str | Sequence[str] | None) -> list[str] | None:
+    if keys is None:
+        return None
+    pats = [keys] if isinstance(keys, str) else list(keys)
+    if not all(isinstance(p, str) and p for p in pats):
+        raise ValueError(f"keys must be glob patterns (non-empty strings), got {keys!r}")
+    return pats
 
 
 class Planner:
-    def __init__(self, ckpt: OpenCheckpoint, *, strict: bool = True, rank: int = 0):
+    """Plans one load of one committed step into one target, then reads it.
+
+    strict: keys the target has and the checkpoint lacks are an error (else reported in
+        `missing`); saved keys the target's (non-empty) dicts lack are added (else reported
+        in `unexpected` and skipped). An empty dict in the target is always filled.
+    keys: glob patterns over the saved keys ('model/*', 'optim/state/*/exp_avg'); a pattern
+        also selects everything under it ('model' is 'model' and 'model/*'). Only selected
+        values are loaded; the rest of the target is left alone.
+    cast: allow loading into tensors of another dtype (converted after the read).
+    """
+
+    def __init__(
+        self,
+        ckpt: OpenCheckpoint,
+        *,
+        strict: bool = True,
+        rank: int = 0,
+        keys: str | Sequence[str] | None = None,
+        cast: bool = False,
+    ):
         self.ckpt = ckpt
         self.rank = rank
         self.strict = strict
+        self.cast = cast
+        self.patterns = _keys_patterns(keys)
+        self._matched: set[str] = set()
         self.dests: dict[str, _Dest] = {}
         self.after_read: list[Callable[[], None]] = []
         # Assignments into the caller's dicts and lists, applied after every read succeeded,
@@ -55,6 +130,60 @@ class Planner:
         self.mutations: list[Callable[[], Any]] = []
         self.problems: list[str] = []
         self.missing: list[str] = []
+        self.unexpected: list[str] = []
+        self._cuda = False  # a non-blocking host-to-device copy is in flight after read()
+
+    @property
+    def _where(self) -> str:
+        return f"{self.ckpt.storage.url} step {self.ckpt.step}"
+
+    # -- selection -------------------------------------------------------------------
+    def _match(self, key: str) -> bool:
+        if self.patterns is None:
+            return True
+        hit = False
+        for p in self.patterns:
+            if fnmatch.fnmatchcase(key, p) or fnmatch.fnmatchcase(key, p + "/*"):
+                self._matched.add(p)
+                hit = True
+        return hit
+
+    def _wanted(self, node: Any, path: str) -> bool:
+        """Whether any value under this saved node is selected by `keys`."""
+        if self.patterns is None:
+            return True
+        if not isinstance(node, dict):
+            return self._match(path)
+        ((tag, body),) = node.items()
+        if tag in values.TENSOR_TAGS:
+            return self._match(body)
+        if tag in ("float", "bytes"):
+            return self._match(path)
+        if tag == "stateful":
+            return self._wanted(body, path)
+        if tag == "dict":
+            return any(
+                self._wanted(v, _join(path, _component(values.decode_scalar(k)))) for k, v in body
+            )
+        if tag in ("list", "tuple"):
+            return any(self._wanted(c, _join(path, str(i))) for i, c in enumerate(body))
+        if tag == "per_rank":
+            return any(self._wanted(n, _join(path, f"@rank{r}")) for r, n in body if r == self.rank)
+        return self._match(path)
+
+    def _target_selected(self, value: Any, path: str) -> bool:
+        """Whether a value of the target (absent from the checkpoint) is selected by `keys`."""
+        if self.patterns is None or self._match(path):
+            return True
+        if isinstance(value, PerRank):
+            return self._target_selected(value.value, _join(path, f"@rank{self.rank}"))
+        if isinstance(value, MutableMapping):
+            return any(
+                self._target_selected(v, _join(path, _component(k))) for k, v in value.items()
+            )
+        if isinstance(value, (list, tuple)):
+            return any(self._target_selected(v, _join(path, str(i))) for i, v in enumerate(value))
+        return False
 
     # -- walking ---------------------------------------------------------------------
     def restore(self, node: Any, target: Any, path: str) -> Any:
@@ -72,7 +201,7 @@ class Planner:
             # few bytes (verified) now, while planning.
             arr = self._ndarray(body, None, path)
             dest = self.dests.pop(body)
-            self._read_now(body, dest)
+            self._read_dests([dest])
             return arr[()]
         if tag == "stateful":
             if target is not None and is_stateful(target):
@@ -87,54 +216,81 @@ class Planner:
         if tag == "tuple":
             t = target if isinstance(target, tuple) and len(target) == len(body) else None
             return tuple(
-                self.restore(c, t[i] if t else None, f"{path}/{i}") for i, c in enumerate(body)
+                self.restore(c, t[i] if t else None, _join(path, str(i)))
+                for i, c in enumerate(body)
             )
         if tag == "per_rank":
             mine = [n for r, n in body if r == self.rank]
             inner = target.value if isinstance(target, PerRank) else target
             if not mine:
                 self.problems.append(
-                    f"{path}: the checkpoint holds per-rank values for ranks "
+                    f"/{path}: the checkpoint holds per-rank values for ranks "
                     f"{sorted(r for r, _ in body)[:8]}, none for rank {self.rank}"
                 )
                 return target
-            value = self.restore(mine[0], inner, path)
+            value = self.restore(mine[0], inner, _join(path, f"@rank{self.rank}"))
             if isinstance(target, PerRank):
                 target.value = value
                 return target
             return value
-        raise StateMismatch(f"{path}: unknown node tag {tag!r}")
+        raise StateMismatch(f"/{path}: unknown node tag {tag!r}")
 
     def _dict(self, body: list[Any], target: Any, path: str) -> Any:
         saved = {values.decode_scalar(k): v for k, v in body}
         if isinstance(target, MutableMapping):
-            extra = [k for k in target if k not in saved]
-            if extra and self.strict:
-                self.missing.extend(f"{path}/{k}" for k in extra)
+            fill = not target  # an empty dict takes whatever the checkpoint holds
+            for k in target:
+                if k not in saved:
+                    kpath = _join(path, _component(k))
+                    if self._target_selected(target[k], kpath):
+                        self.missing.append(kpath)
             for k, v in saved.items():
-                value = self.restore(v, target.get(k), f"{path}/{k}")
+                kpath = _join(path, _component(k))
+                if not self._wanted(v, kpath):
+                    continue
+                if k not in target and not fill and not self.strict:
+                    self.unexpected.append(kpath)
+                    continue
+                value = self.restore(v, target.get(k), kpath)
                 # Containers change only once the load succeeded (see read()).
                 self.mutations.append(functools.partial(target.__setitem__, k, value))
             return target
-        return {k: self.restore(v, None, f"{path}/{k}") for k, v in saved.items()}
+        return {
+            k: self.restore(v, None, _join(path, _component(k)))
+            for k, v in saved.items()
+            if self._wanted(v, _join(path, _component(k)))
+        }
 
     def _list(self, body: list[Any], target: Any, path: str) -> Any:
         if isinstance(target, MutableSequence) and not isinstance(target, (str, bytes)):
+            if self.patterns is not None and len(target) == len(body):
+                for i, c in enumerate(body):
+                    if self._wanted(c, _join(path, str(i))):
+                        value = self.restore(c, target[i], _join(path, str(i)))
+                        self.mutations.append(functools.partial(target.__setitem__, i, value))
+                return target
             new = [
-                self.restore(c, target[i] if i < len(target) else None, f"{path}/{i}")
+                self.restore(c, target[i] if i < len(target) else None, _join(path, str(i)))
                 for i, c in enumerate(body)
             ]
             self.mutations.append(functools.partial(target.__setitem__, slice(None), new))
             return target
-        return [self.restore(c, None, f"{path}/{i}") for i, c in enumerate(body)]
+        return [self.restore(c, None, _join(path, str(i))) for i, c in enumerate(body)]
 
     # -- leaves ----------------------------------------------------------------------
-    def _saved(self, key: str, path: str) -> tuple[IndexEntry, list[Chunk]]:
+    def _saved(self, key: str) -> IndexEntry:
         chunks = self.ckpt.chunks[key]
-        return chunks[0].entry, chunks
+        first = chunks[0].entry
+        for c in chunks[1:]:
+            if c.entry.dtype != first.dtype or c.entry.shape != first.shape:
+                raise InvalidManifest(
+                    f"{self._where}: key {key!r} is saved as {first.dtype}{first.shape} in "
+                    f"{chunks[0].shard.path} and {c.entry.dtype}{c.entry.shape} in {c.shard.path}"
+                )
+        return first
 
     def _tensor(self, key: str, target: Any, path: str) -> Any:
-        entry, _ = self._saved(key, path)
+        entry = self._saved(key)
         dtype = dtypes.from_name(entry.dtype)
         shape = tuple(entry.shape)
         if type(target).__name__ == "DTensor":
@@ -143,7 +299,7 @@ class Planner:
             buf = self.dests[key].buffer
             if not isinstance(buf, torch.Tensor):
                 raise InvalidManifest(
-                    f"{self.ckpt.storage.url} step {self.ckpt.step}: key {key!r} is referenced "
+                    f"{self._where}: key {key!r} is referenced "
                     "both as a tensor and as a numpy value; the manifest was edited"
                 )
             if isinstance(target, torch.Tensor) and target is not buf:
@@ -154,52 +310,72 @@ class Planner:
         if isinstance(target, torch.Tensor):
             if not self._check(target, dtype, shape, path):
                 return target
-            if (
-                target.device.type == "cpu"
-                and target.is_contiguous()
-                and not target.is_conj()
-                and not target.is_neg()
-            ):
-                t = target.detach()
-                self.dests[key] = _Dest(key, t, tensor_bytes(t))
-                return target
-            buf = torch.empty(shape, dtype=dtype)
-            self.dests[key] = _Dest(key, buf, tensor_bytes(buf))
-            # Runs before load_state_dict callbacks (they were appended later).
-            self.after_read.insert(0, functools.partial(_copy, target, buf))
+            self._into(key, target, dtype, (0,) * len(shape), shape)
             return target
         buf = torch.empty(shape, dtype=dtype)
-        self.dests[key] = _Dest(key, buf, tensor_bytes(buf))
+        self.dests[key] = _Dest(key, buf, tensor_bytes(buf), (0,) * len(shape), shape)
         return buf
+
+    def _into(
+        self,
+        key: str,
+        target: torch.Tensor,
+        dtype: torch.dtype,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+    ) -> None:
+        """Make `target` (a tensor shaped like the box) the destination of `key`."""
+        if (
+            target.device.type == "cpu"
+            and target.dtype == dtype
+            and target.is_contiguous()
+            and not target.is_conj()
+            and not target.is_neg()
+        ):
+            t = target.detach()
+            self.dests[key] = _Dest(key, t, tensor_bytes(t), offsets, sizes)
+            return
+        if target.device.type == "cuda":
+            # Read into pinned host memory, then one non-blocking copy per chunk; read()
+            # synchronizes once at the end. (Not exercised by the tests: no GPU in CI.)
+            buf = torch.empty(sizes, dtype=dtype, pin_memory=True)
+            self._cuda = True
+            copy = functools.partial(_copy, target, buf, True)
+        else:
+            buf = torch.empty(sizes, dtype=dtype)
+            copy = functools.partial(_copy, target, buf)
+        self.dests[key] = _Dest(key, buf, tensor_bytes(buf), offsets, sizes)
+        # Runs before load_state_dict callbacks (they were appended later).
+        self.after_read.insert(0, copy)
 
     def _dtensor(
         self, key: str, target: Any, dtype: torch.dtype, shape: tuple[int, ...], path: str
     ) -> Any:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        if target.dtype != dtype or tuple(target.shape) != shape:
-            self._check(target, dtype, shape, path)
+        if not self._check(target, dtype, shape, path):
             return target
         local = target.to_local()
         sizes, offsets = compute_local_shape_and_global_offset(
             target.shape, target.device_mesh, target.placements
         )
-        if local.device.type == "cpu" and local.is_contiguous():
-            t = local.detach()
-        else:
-            t = torch.empty(tuple(sizes), dtype=dtype)
-            self.after_read.insert(0, functools.partial(_copy, local, t))
-        self.dests[key] = _Dest(key, t, tensor_bytes(t), tuple(offsets), tuple(sizes))
+        if tuple(local.shape) != tuple(sizes):
+            self.problems.append(
+                f"/{path}: the DTensor's local shard {list(local.shape)} does not match its "
+                f"placement ({list(sizes)})"
+            )
+            return target
+        self._into(key, local, dtype, tuple(offsets), tuple(sizes))
         return target
 
     def _ndarray(self, key: str, target: Any, path: str) -> np.ndarray:
-        entry, _ = self._saved(key, path)
+        entry = self._saved(key)
         shape = tuple(entry.shape)
         try:
             np_dtype = np.dtype(entry.dtype)
         except TypeError:
             raise InvalidManifest(
-                f"{self.ckpt.storage.url} step {self.ckpt.step}: key {key!r} is tagged as a numpy "
+                f"{self._where}: key {key!r} is tagged as a numpy "
                 f"value but its dtype {entry.dtype} has no numpy equivalent; the manifest was edited"
             ) from None
         if key in self.dests:
@@ -207,7 +383,7 @@ class Planner:
             if isinstance(known, np.ndarray):
                 return known
             raise InvalidManifest(
-                f"{self.ckpt.storage.url} step {self.ckpt.step}: key {key!r} is referenced both "
+                f"{self._where}: key {key!r} is referenced both "
                 "as a tensor and as a numpy value; the manifest was edited"
             )
         if (
@@ -221,149 +397,288 @@ class Planner:
         else:
             arr = np.empty(shape, dtype=np_dtype)
         raw = arr.reshape(-1).view(np.uint8) if arr.size else np.zeros(0, dtype=np.uint8)
-        self.dests[key] = _Dest(key, arr, raw)
+        self.dests[key] = _Dest(key, arr, raw, (0,) * len(shape), shape)
         return arr
 
-    def _check(
-        self, target: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], path: str
-    ) -> bool:
-        if target.dtype != dtype or tuple(target.shape) != shape:
+    def _check(self, target: Any, dtype: torch.dtype, shape: tuple[int, ...], path: str) -> bool:
+        if tuple(target.shape) != shape or (target.dtype != dtype and not self.cast):
+            hint = (
+                " (pass cast=True to convert)"
+                if tuple(target.shape) == shape and target.dtype.is_floating_point
+                else ""
+            )
             self.problems.append(
-                f"{path}: the checkpoint holds {dtypes.name_of(dtype)}{list(shape)}, "
-                f"the state has {target.dtype}{list(target.shape)}"
+                f"/{path}: the checkpoint holds {dtypes.name_of(dtype)}{list(shape)}, "
+                f"the state has {target.dtype}{list(target.shape)}{hint}"
             )
             return False
         return True
 
     # -- reading ---------------------------------------------------------------------
     def check(self) -> None:
-        if self.problems or self.missing:
-            lines = list(self.problems)
-            if self.missing:
-                lines.append(
-                    "keys in the state but not in the checkpoint: "
-                    + ", ".join(self.missing[:20])
-                    + (f" (+{len(self.missing) - 20} more)" if len(self.missing) > 20 else "")
-                )
+        if self.patterns is not None and self.strict:
+            for p in self.patterns:
+                if p not in self._matched and not any(self._match(k) for k in self.ckpt.chunks):
+                    self.problems.append(f"keys pattern {p!r} matches nothing in the checkpoint")
+        lines = list(self.problems)
+        if self.missing and self.strict:
+            lines.append(
+                "keys in the state but not in the checkpoint: "
+                + ", ".join(self.missing[:20])
+                + (f" (+{len(self.missing) - 20} more)" if len(self.missing) > 20 else "")
+                + " (strict=False loads the rest and reports them)"
+            )
+        if lines:
             raise StateMismatch(
-                f"{self.ckpt.storage.url} step {self.ckpt.step}: the state does not match the "
+                f"{self._where}: the state does not match the "
                 "checkpoint; nothing was loaded:\n  " + "\n  ".join(lines)
             )
 
-    def _read_now(self, key: str, dest: _Dest) -> None:
-        chunk = self.ckpt.chunks[key][0]
-        read_entries(
-            self.ckpt.storage,
-            self.ckpt.shard_path(chunk.shard),
-            [chunk.entry],
-            self.ckpt.manifest.block_size,
-            sink=lambda i, start, data: copy_into(dest.bytes[start:], data),
-            cold=False,
-        )
+    def _sources(self, dest: _Dest) -> list[tuple[Chunk, Overlap]]:
+        """The saved chunks that overlap the wanted box, with their overlaps (exact cover)."""
+        chunks = self.ckpt.chunks[dest.key]
+        entry = chunks[0].entry
+        itemsize = dtypes.itemsize(entry.dtype)
+        want = math.prod(dest.sizes)
+        if want == 0:
+            return []
+        out: list[tuple[Chunk, Overlap]] = []
+        for c in chunks:
+            box_off, box_size = c.entry.chunk_offsets, c.entry.chunk_sizes
+            if (
+                math.prod(box_size) == 0
+                or intersect(box_off, box_size, dest.offsets, dest.sizes) is None
+            ):
+                continue
+            out.append((c, Overlap(box_off, box_size, dest.offsets, dest.sizes, itemsize)))
+        # Saved chunks of one key are disjoint (replicas are written once); check it, so
+        # that the element count below proves every wanted element has exactly one source.
+        for i in range(len(out)):
+            a = out[i][0].entry
+            for j in range(i + 1, len(out)):
+                b = out[j][0].entry
+                if intersect(a.chunk_offsets, a.chunk_sizes, b.chunk_offsets, b.chunk_sizes):
+                    raise InvalidManifest(
+                        f"{self._where}: key {dest.key!r}: saved chunks in "
+                        f"{out[i][0].shard.path} and {out[j][0].shard.path} overlap"
+                    )
+        covered = sum(o.nbytes for _, o in out) // itemsize
+        if covered != want:
+            raise StateMismatch(
+                f"{self._where}: key {dest.key!r}: the saved chunks cover "
+                f"{covered} of the {want} elements this rank needs"
+            )
+        return out
 
-    def read(self, threads: int | None = None) -> int:
-        """Read every planned key, verified; returns bytes read.
-
-        A saved chunk whose box equals the wanted box is read straight into the
-        destination. Otherwise every saved chunk that overlaps the wanted box is read
-        (verified) into a temporary and its overlap copied in: correct for any world
-        size; a later planner reads only the overlapping ranges.
-        """
-        per_shard: dict[str, tuple[list[IndexEntry], list[np.ndarray]]] = {}
-        copies: list[Callable[[], None]] = []
+    def _read_dests(self, dests: Sequence[_Dest], threads: int | None = None) -> int:
+        """Read, verify and copy every overlap of `dests`; returns bytes read."""
+        block = self.ckpt.manifest.block_size
+        per_shard: dict[str, tuple[list[EntryRead], list[Callable[[int, np.ndarray], Any]]]] = {}
         total = 0
-        for key, dest in self.dests.items():
-            for chunk, sink in self._sources(key, dest, copies):
+        for dest in dests:
+            for chunk, ov in self._sources(dest):
                 path = self.ckpt.shard_path(chunk.shard)
-                entries, sinks = per_shard.setdefault(path, ([], []))
-                entries.append(chunk.entry)
-                sinks.append(sink)
-                total += chunk.entry.length
+                reads, sinks = per_shard.setdefault(path, ([], []))
+                ranges = None if ov.whole else ov.ranges(block)
+                reads.append(EntryRead(chunk.entry, ranges))
+                sinks.append(functools.partial(ov.copy, dest.bytes))
+                for b in covering_blocks(chunk.entry.length, block, ranges):
+                    total += min(block, chunk.entry.length - b * block)
 
         def load_shard(path: str) -> None:
-            entries, sinks = per_shard[path]
+            reads, sinks = per_shard[path]
 
             def sink(i: int, start: int, data: np.ndarray) -> None:
-                copy_into(sinks[i][start:], data)
+                sinks[i](start, data)
 
-            read_entries(
-                self.ckpt.storage,
-                path,
-                entries,
-                self.ckpt.manifest.block_size,
-                sink=sink,
-                threads=threads,
-            )
+            read_entries(self.ckpt.storage, path, reads, block, sink=sink, threads=threads)
 
         if len(per_shard) == 1:
             load_shard(next(iter(per_shard)))
         elif per_shard:
             with ThreadPoolExecutor(min(4, len(per_shard))) as pool:
                 list(pool.map(load_shard, per_shard))
-        for fn in copies:
-            fn()
+        return total
+
+    def read(self, threads: int | None = None) -> int:
+        """Read every planned key, verified; apply the state changes; returns bytes read."""
+        total = self._read_dests(list(self.dests.values()), threads)
         for fn in self.mutations:
             fn()
         for fn in self.after_read:
             fn()
+        if self._cuda:
+            torch.cuda.synchronize()
         return total
 
-    def _sources(
-        self, key: str, dest: _Dest, copies: list[Callable[[], None]]
-    ) -> list[tuple[Chunk, np.ndarray]]:
-        chunks = self.ckpt.chunks[key]
-        shape = tuple(chunks[0].entry.shape)
-        offsets = dest.offsets or (0,) * len(shape)
-        sizes = dest.sizes or shape
-        for c in chunks:
-            if tuple(c.entry.chunk_offsets) == offsets and tuple(c.entry.chunk_sizes) == sizes:
-                return [(c, dest.bytes)]
-        if not isinstance(dest.buffer, torch.Tensor):
-            raise StateMismatch(f"key {key!r}: numpy values saved in chunks cannot be reassembled")
-        out: list[tuple[Chunk, np.ndarray]] = []
-        covered = 0
-        for c in chunks:
-            lo = [max(o, co) for o, co in zip(offsets, c.entry.chunk_offsets, strict=True)]
-            hi = [
-                min(o + n, co + cn)
-                for o, n, co, cn in zip(
-                    offsets, sizes, c.entry.chunk_offsets, c.entry.chunk_sizes, strict=True
-                )
-            ]
-            if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)) and shape:
-                continue
-            tmp = torch.empty(tuple(c.entry.chunk_sizes), dtype=dest.buffer.dtype)
-            out.append((c, tensor_bytes(tmp)))
-            copies.append(
-                functools.partial(
-                    _copy_box, dest.buffer, offsets, tmp, tuple(c.entry.chunk_offsets), lo, hi
-                )
-            )
-            n = 1
-            for lo_, h in zip(lo, hi, strict=True):
-                n *= h - lo_
-            covered += n
-        want = 1
-        for n in sizes:
-            want *= n
-        if covered != want:
-            raise StateMismatch(
-                f"{self.ckpt.storage.url} step {self.ckpt.step}: key {key!r}: the saved chunks cover "
-                f"{covered} of the {want} elements this rank needs"
-            )
-        return out
+
+# ------------------------------------------------------------------------ load policy
 
 
-def _copy_box(
-    dst: torch.Tensor,
-    dst_offsets: tuple[int, ...],
-    src: torch.Tensor,
-    src_offsets: tuple[int, ...],
-    lo: list[int],
-    hi: list[int],
-) -> None:
-    d, s = dst, src
-    for dim, (a, b) in enumerate(zip(lo, hi, strict=True)):
-        d = d.narrow(dim, a - dst_offsets[dim], b - a)
-        s = s.narrow(dim, a - src_offsets[dim], b - a)
-    d.copy_(s)
+def _reduce_max(value: int) -> int:
+    """The largest `value` over all ranks when a process group is initialized (a collective)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+_OK, _CORRUPT, _FAILED = 0, 1, 2
+
+
+def _load_step(
+    storage: Storage,
+    state: Any,
+    step: int,
+    *,
+    strict: bool,
+    keys: str | Sequence[str] | None,
+    cast: bool,
+    rank: int,
+    threads: int | None,
+) -> tuple[OpenCheckpoint, Planner, Any, int]:
+    ck = ckfmt.open_checkpoint(storage, step)
+    planner = Planner(ck, strict=strict, rank=rank, keys=keys, cast=cast)
+    restored = planner.restore(ck.manifest.state, state, "")
+    planner.check()
+    nbytes = planner.read(threads=threads)
+    return ck, planner, restored, nbytes
+
+
+def load_checkpoint(
+    storage: Storage,
+    state: Any,
+    *,
+    step: int | None = None,
+    strict: bool = True,
+    keys: str | Sequence[str] | None = None,
+    cast: bool = False,
+    fallback: bool = True,
+    rank: int = 0,
+    threads: int | None = None,
+    on_quarantine: Callable[[int, str], None] | None = None,
+) -> LoadResult:
+    """Load `step` (default: the newest committed, not quarantined) into `state`.
+
+    Without an explicit step and with fallback=True, a step that fails verification
+    (CorruptCheckpoint: a hash mismatch, a missing or truncated shard, a bad index) is
+    quarantined (ckptd.format.checkpoint.quarantine; on_quarantine(step, reason) is called
+    too, e.g. to tell the coordinator) and the next older committed step is loaded, with a
+    warning. Under an initialized torch.distributed process group every rank must call
+    this: the ranks agree (one all_reduce per step tried) so that all of them load the same
+    step even when only one rank's reads hit the damage.
+    """
+    t0 = time.perf_counter()
+    patterns = _keys_patterns(keys)
+
+    def finish(
+        ck: OpenCheckpoint, planner: Planner, restored: Any, nbytes: int, **kw: Any
+    ) -> LoadResult:
+        seconds = time.perf_counter() - t0
+        log.info("loaded step %d: %.2f GB in %.2f s", ck.step, nbytes / 1e9, seconds)
+        return LoadResult(
+            step=ck.step,
+            path=f"{storage.url}/{layout.step_dir(ck.step)}",
+            bytes=nbytes,
+            seconds=seconds,
+            tensors=len(planner.dests),
+            metadata=ck.manifest.metadata,
+            state=restored,
+            missing_keys=list(planner.missing),
+            unexpected_keys=list(planner.unexpected),
+            **kw,
+        )
+
+    def attempt(at: int) -> tuple[OpenCheckpoint, Planner, Any, int]:
+        return _load_step(
+            storage, state, at, strict=strict, keys=patterns, cast=cast, rank=rank, threads=threads
+        )
+
+    if step is not None or not fallback:
+        return finish(*attempt(ckfmt.resolve_step(storage, step)))
+
+    candidates = ckfmt.committed_steps(storage)
+    if not candidates:
+        ckfmt.resolve_step(storage, None)  # raises CheckpointNotFound with the details
+    # Every rank starts from the same step (one may already see a marker another wrote).
+    current = -_reduce_max(-candidates[0])
+    failures: list[tuple[int, str]] = []
+    first_error: CkptError | None = None
+    while True:
+        error: BaseException | None = None
+        try:
+            loaded = attempt(current)
+        except CorruptCheckpoint as e:
+            error, code = e, _CORRUPT
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the ranks agree
+            error, code = e, _FAILED
+        else:
+            code = _OK
+        agreed = _reduce_max(code)
+        if agreed == _FAILED:
+            if error is not None and code == _FAILED:
+                raise error
+            raise CkptError(
+                f"{storage.url} step {current}: another rank failed to load it (see its log); "
+                "this rank's load is abandoned so that all ranks stay at the same step"
+            ) from error
+        if agreed == _OK:
+            ck, planner, restored, nbytes = loaded
+            if not failures:
+                return finish(ck, planner, restored, nbytes)
+            log.warning(
+                "loaded step %d instead of step %d, which failed verification: %s",
+                ck.step,
+                failures[0][0],
+                failures[0][1],
+            )
+            return finish(
+                ck,
+                planner,
+                restored,
+                nbytes,
+                fell_back_from=failures[0][0],
+                fallback_reason=failures[0][1],
+                quarantined=[s for s, _ in failures],
+            )
+        # Some rank found this step corrupt.
+        if error is not None:
+            reason = f"rank {rank}: {error}"
+            if first_error is None and isinstance(error, CkptError):
+                first_error = error
+            try:
+                ckfmt.quarantine(storage, current, reason)
+                if on_quarantine is not None:
+                    on_quarantine(current, reason)
+            except (CkptError, OSError) as e:
+                log.error("could not quarantine %s step %d: %s", storage.url, current, e)
+        else:
+            reason = f"another rank found step {current} corrupt (see its log)"
+        failures.append((current, reason))
+        older = [s for s in candidates if s < current]
+        log.error(
+            "CHECKPOINT STEP %d OF %s FAILED VERIFICATION AND IS QUARANTINED (%s); %s",
+            current,
+            storage.url,
+            reason,
+            f"falling back to step {older[0]}" if older else "no older committed step to load",
+        )
+        if not older:
+            summary = "; ".join(f"step {s}: {r}" for s, r in failures)
+            # The first failure's type (HashMismatch, ShardMissing...), every step's story.
+            kind = type(first_error) if first_error is not None else CorruptCheckpoint
+            err = kind(
+                f"{storage.url}: no committed step could be loaded; every one failed "
+                f"verification and is quarantined: {summary}. Nothing valid was loaded (tensors "
+                "may hold verified bytes of a failed step); restore from a replica"
+            )
+            raise err from first_error
+        current = -_reduce_max(-older[0])
