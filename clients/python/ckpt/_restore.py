@@ -23,10 +23,8 @@ import dataclasses
 import fnmatch
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable, MutableMapping, MutableSequence, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -36,10 +34,9 @@ from ckpt._flatten import PerRank, _component, is_stateful, tensor_bytes
 from ckptd.errors import CkptError, CorruptCheckpoint, InvalidManifest, StateMismatch
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import dtypes, layout, values
-from ckptd.format.checkpoint import Chunk, OpenCheckpoint
+from ckptd.format.boxes import BoxRead, read_boxes, saved_entry
+from ckptd.format.checkpoint import OpenCheckpoint
 from ckptd.format.manifest import IndexEntry
-from ckptd.format.reader import EntryRead, covering_blocks, read_entries
-from ckptd.format.reshard import Overlap, intersect
 from ckptd.storage.base import Storage
 
 log = logging.getLogger("ckpt")
@@ -223,6 +220,9 @@ class Planner:
             mine = [n for r, n in body if r == self.rank]
             inner = target.value if isinstance(target, PerRank) else target
             if not mine:
+                if not self.strict:
+                    self.missing.append(_join(path, f"@rank{self.rank}"))
+                    return target
                 self.problems.append(
                     f"/{path}: the checkpoint holds per-rank values for ranks "
                     f"{sorted(r for r, _ in body)[:8]}, none for rank {self.rank}"
@@ -279,15 +279,7 @@ class Planner:
 
     # -- leaves ----------------------------------------------------------------------
     def _saved(self, key: str) -> IndexEntry:
-        chunks = self.ckpt.chunks[key]
-        first = chunks[0].entry
-        for c in chunks[1:]:
-            if c.entry.dtype != first.dtype or c.entry.shape != first.shape:
-                raise InvalidManifest(
-                    f"{self._where}: key {key!r} is saved as {first.dtype}{first.shape} in "
-                    f"{chunks[0].shard.path} and {c.entry.dtype}{c.entry.shape} in {c.shard.path}"
-                )
-        return first
+        return saved_entry(self.ckpt, key)
 
     def _tensor(self, key: str, target: Any, path: str) -> Any:
         entry = self._saved(key)
@@ -434,71 +426,13 @@ class Planner:
                 "checkpoint; nothing was loaded:\n  " + "\n  ".join(lines)
             )
 
-    def _sources(self, dest: _Dest) -> list[tuple[Chunk, Overlap]]:
-        """The saved chunks that overlap the wanted box, with their overlaps (exact cover)."""
-        chunks = self.ckpt.chunks[dest.key]
-        entry = chunks[0].entry
-        itemsize = dtypes.itemsize(entry.dtype)
-        want = math.prod(dest.sizes)
-        if want == 0:
-            return []
-        out: list[tuple[Chunk, Overlap]] = []
-        for c in chunks:
-            box_off, box_size = c.entry.chunk_offsets, c.entry.chunk_sizes
-            if (
-                math.prod(box_size) == 0
-                or intersect(box_off, box_size, dest.offsets, dest.sizes) is None
-            ):
-                continue
-            out.append((c, Overlap(box_off, box_size, dest.offsets, dest.sizes, itemsize)))
-        # Saved chunks of one key are disjoint (replicas are written once); check it, so
-        # that the element count below proves every wanted element has exactly one source.
-        for i in range(len(out)):
-            a = out[i][0].entry
-            for j in range(i + 1, len(out)):
-                b = out[j][0].entry
-                if intersect(a.chunk_offsets, a.chunk_sizes, b.chunk_offsets, b.chunk_sizes):
-                    raise InvalidManifest(
-                        f"{self._where}: key {dest.key!r}: saved chunks in "
-                        f"{out[i][0].shard.path} and {out[j][0].shard.path} overlap"
-                    )
-        covered = sum(o.nbytes for _, o in out) // itemsize
-        if covered != want:
-            raise StateMismatch(
-                f"{self._where}: key {dest.key!r}: the saved chunks cover "
-                f"{covered} of the {want} elements this rank needs"
-            )
-        return out
-
     def _read_dests(self, dests: Sequence[_Dest], threads: int | None = None) -> int:
-        """Read, verify and copy every overlap of `dests`; returns bytes read."""
-        block = self.ckpt.manifest.block_size
-        per_shard: dict[str, tuple[list[EntryRead], list[Callable[[int, np.ndarray], Any]]]] = {}
-        total = 0
-        for dest in dests:
-            for chunk, ov in self._sources(dest):
-                path = self.ckpt.shard_path(chunk.shard)
-                reads, sinks = per_shard.setdefault(path, ([], []))
-                ranges = None if ov.whole else ov.ranges(block)
-                reads.append(EntryRead(chunk.entry, ranges))
-                sinks.append(functools.partial(ov.copy, dest.bytes))
-                for b in covering_blocks(chunk.entry.length, block, ranges):
-                    total += min(block, chunk.entry.length - b * block)
-
-        def load_shard(path: str) -> None:
-            reads, sinks = per_shard[path]
-
-            def sink(i: int, start: int, data: np.ndarray) -> None:
-                sinks[i](start, data)
-
-            read_entries(self.ckpt.storage, path, reads, block, sink=sink, threads=threads)
-
-        if len(per_shard) == 1:
-            load_shard(next(iter(per_shard)))
-        elif per_shard:
-            with ThreadPoolExecutor(min(4, len(per_shard))) as pool:
-                list(pool.map(load_shard, per_shard))
-        return total
+        """Read, verify and copy every wanted box of `dests`; returns bytes read."""
+        return read_boxes(
+            self.ckpt,
+            [BoxRead(d.key, d.offsets, d.sizes, d.bytes) for d in dests],
+            threads=threads,
+        )
 
     def read(self, threads: int | None = None) -> int:
         """Read every planned key, verified; apply the state changes; returns bytes read."""

@@ -1,0 +1,143 @@
+"""Read boxes of saved tensors from a committed step, whatever the sharding at save time.
+
+A `BoxRead` asks for the box [offsets, offsets+sizes) of one key's global tensor, to be
+written C-contiguous into a byte buffer. `plan_box` finds the saved chunks that overlap
+it (and proves they cover it exactly once); `read_boxes` groups the overlaps by shard
+file, reads the hash blocks that cover them (ckptd.format.reader: parallel, each block
+verified before use) and copies every overlap from the I/O buffer into its destination
+(ckptd.format.reshard). The client's load (ckpt._restore) and `ckptctl restore` both
+read through here; neither knows about blocks or shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ckptd.errors import InvalidManifest, StateMismatch
+from ckptd.format import dtypes
+from ckptd.format.checkpoint import Chunk, OpenCheckpoint
+from ckptd.format.manifest import IndexEntry
+from ckptd.format.reader import EntryRead, covering_blocks, read_entries
+from ckptd.format.reshard import Overlap, intersect
+
+
+@dataclasses.dataclass
+class BoxRead:
+    key: str
+    offsets: Sequence[int]
+    sizes: Sequence[int]
+    out: np.ndarray  # uint8, C-contiguous bytes of the box (numel * itemsize)
+
+
+def saved_entry(ck: OpenCheckpoint, key: str) -> IndexEntry:
+    """The first index entry of a key, after checking that all its chunks agree."""
+    chunks = ck.chunks[key]
+    first = chunks[0].entry
+    for c in chunks[1:]:
+        if c.entry.dtype != first.dtype or c.entry.shape != first.shape:
+            raise InvalidManifest(
+                f"{ck.storage.url} step {ck.step}: key {key!r} is saved as "
+                f"{first.dtype}{first.shape} in {chunks[0].shard.path} and "
+                f"{c.entry.dtype}{c.entry.shape} in {c.shard.path}"
+            )
+    return first
+
+
+def plan_box(
+    ck: OpenCheckpoint, key: str, offsets: Sequence[int], sizes: Sequence[int]
+) -> list[tuple[Chunk, Overlap]]:
+    """The saved chunks that overlap the box, with their overlaps; raises unless they
+    cover every element of the box exactly once."""
+    where = f"{ck.storage.url} step {ck.step}: key {key!r}"
+    chunks = ck.chunks[key]
+    entry = saved_entry(ck, key)
+    if len(offsets) != len(entry.shape) or len(sizes) != len(entry.shape):
+        raise StateMismatch(f"{where}: a box of rank {len(sizes)} for a tensor of {entry.shape}")
+    for o, n, dim in zip(offsets, sizes, entry.shape, strict=True):
+        if o < 0 or n < 0 or o + n > dim:
+            raise StateMismatch(f"{where}: box {list(offsets)}+{list(sizes)} outside {entry.shape}")
+    itemsize = dtypes.itemsize(entry.dtype)
+    want = math.prod(sizes)
+    if want == 0:
+        return []
+    out: list[tuple[Chunk, Overlap]] = []
+    for c in chunks:
+        box_off, box_size = c.entry.chunk_offsets, c.entry.chunk_sizes
+        if math.prod(box_size) == 0 or intersect(box_off, box_size, offsets, sizes) is None:
+            continue
+        out.append((c, Overlap(box_off, box_size, offsets, sizes, itemsize)))
+    # Saved chunks of one key are disjoint (replicas are written once); check it, so that
+    # the element count below proves every wanted element has exactly one source.
+    for i in range(len(out)):
+        a = out[i][0].entry
+        for j in range(i + 1, len(out)):
+            b = out[j][0].entry
+            if intersect(a.chunk_offsets, a.chunk_sizes, b.chunk_offsets, b.chunk_sizes):
+                raise InvalidManifest(
+                    f"{where}: saved chunks in {out[i][0].shard.path} and "
+                    f"{out[j][0].shard.path} overlap"
+                )
+    covered = sum(o.nbytes for _, o in out) // itemsize
+    if covered != want:
+        raise StateMismatch(
+            f"{where}: the saved chunks cover {covered} of the {want} elements wanted"
+        )
+    return out
+
+
+def read_boxes(
+    ck: OpenCheckpoint,
+    boxes: Sequence[BoxRead],
+    *,
+    threads: int | None = None,
+    cold: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Read every box, verified; returns the bytes read from storage (whole blocks)."""
+    block = ck.manifest.block_size
+    per_shard: dict[str, tuple[list[EntryRead], list[Callable[[int, np.ndarray], Any]]]] = {}
+    total = 0
+    for box in boxes:
+        entry = saved_entry(ck, box.key)
+        need = math.prod(box.sizes) * dtypes.itemsize(entry.dtype)
+        if box.out.dtype != np.uint8 or box.out.nbytes != need:
+            raise ValueError(f"key {box.key!r}: the buffer for the box must be {need} bytes")
+        for chunk, ov in plan_box(ck, box.key, box.offsets, box.sizes):
+            path = ck.shard_path(chunk.shard)
+            reads, sinks = per_shard.setdefault(path, ([], []))
+            ranges = None if ov.whole else ov.ranges(block)
+            reads.append(EntryRead(chunk.entry, ranges))
+            sinks.append(functools.partial(ov.copy, box.out))
+            for b in covering_blocks(chunk.entry.length, block, ranges):
+                total += min(block, chunk.entry.length - b * block)
+
+    def load_shard(path: str) -> None:
+        reads, sinks = per_shard[path]
+
+        def sink(i: int, start: int, data: np.ndarray) -> None:
+            sinks[i](start, data)
+
+        read_entries(
+            ck.storage,
+            path,
+            reads,
+            block,
+            sink=sink,
+            threads=threads,
+            cold=cold,
+            progress=progress,
+        )
+
+    if len(per_shard) == 1:
+        load_shard(next(iter(per_shard)))
+    elif per_shard:
+        with ThreadPoolExecutor(min(4, len(per_shard))) as pool:
+            list(pool.map(load_shard, per_shard))
+    return total
