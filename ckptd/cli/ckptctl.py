@@ -89,6 +89,9 @@ def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
         else:
             rows.append([str(s.step), s.status, "-", "-", s.error or ""])
     _print_table(rows, ["STEP", "STATUS", "SIZE", "RANKS", "CREATED"])
+    for s in steps:
+        if s.status == ckfmt.QUARANTINED:
+            print(f"step {s.step} is quarantined (loads without a step skip it): {s.error}")
     return OK
 
 
@@ -319,7 +322,7 @@ def _stray_files(storage: Storage, committed: list[ckfmt.StepInfo]) -> list[str]
             if f"{layout.SHARDS_DIR}/{name}" not in named:
                 out.append(f"{sdir}/{layout.SHARDS_DIR}/{name}")
         for name in storage.listdir(sdir):
-            if name not in (layout.MANIFEST_NAME, layout.SHARDS_DIR):
+            if name not in (layout.MANIFEST_NAME, layout.SHARDS_DIR, ckfmt.QUARANTINE_NAME):
                 out.append(f"{sdir}/{name}")
     return out
 
@@ -335,6 +338,12 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
             newest is None or s.step < newest or args.include_newer
         ):
             doomed.append((s.step, f"{s.status.lower()}: {s.error}"))
+    if args.quarantined:
+        doomed += [
+            (s.step, f"quarantined: {(s.error or '')[:120]}")
+            for s in steps
+            if s.status == ckfmt.QUARANTINED
+        ]
     if args.keep_last is not None:
         if args.keep_last < 1:
             print(
@@ -350,7 +359,9 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
             print(
                 f"{'would remove' if args.dry_run else 'removed'} {layout.step_dir(step)} ({why})"
             )
-    strays = _stray_files(storage, [s for s in steps if s.status == ckfmt.COMMITTED])
+    strays = _stray_files(
+        storage, [s for s in steps if s.status in (ckfmt.COMMITTED, ckfmt.QUARANTINED)]
+    )
     for path in strays:
         if not args.dry_run:
             storage.remove_tree(path)
@@ -419,6 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--include-newer",
         action="store_true",
         help="also remove unfinished steps newer than the newest committed one (only when no save is running)",
+    )
+    sp.add_argument(
+        "--quarantined",
+        action="store_true",
+        help="also remove steps quarantined after failing verification at load time",
     )
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed")
     sp.add_argument(
