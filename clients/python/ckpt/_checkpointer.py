@@ -21,10 +21,11 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckpt import _world
+from ckpt import _hooks, _resume, _world
 from ckpt._api import LoadResult, SaveResult, _check_metadata
 from ckpt._embedded import EmbeddedCoordinator
 from ckpt._flatten import flatten
@@ -53,6 +54,11 @@ class Checkpointer:
         (this process, or rank 0 under torchrun, hosts one).
     keep_last: keep the newest N committed steps (None: keep all).
     attempt: names this launch of the job (see ckpt._world); older attempts are fenced.
+    save_on_preemption: install handlers for `preemption_signals` (default SIGTERM and
+        SIGUSR1) that only note the signal; the next maybe_save() finishes the save in
+        flight or takes one last blocking checkpoint, at the same step on every rank, and
+        then the process exits as the signal asked (see ckpt._hooks), or, with
+        exit_on_preemption=False, maybe_save returns and `preempted` says so.
     """
 
     def __init__(
@@ -71,6 +77,9 @@ class Checkpointer:
         tls_client_cert: tuple[bytes, bytes] | None = None,
         on_error: str = "raise",
         staging_budget_bytes: int | None = None,
+        save_on_preemption: bool = False,
+        preemption_signals: Sequence[int] = _hooks.DEFAULT_SIGNALS,
+        exit_on_preemption: bool = True,
     ):
         if verify not in ("full", "size"):
             raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
@@ -109,6 +118,25 @@ class Checkpointer:
         self._inflight: PendingSave | None = None
         # One background thread: saves persist in order, at most one at a time.
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
+        # The process group's store: ranks agree on resume and preemption steps through it.
+        self._store = _world.dist_store() if self.world_size > 1 else None
+        self._last_step: int | None = None  # the newest step saved or resumed here
+        self._signals = tuple(preemption_signals) if save_on_preemption else ()
+        self.exit_on_preemption = exit_on_preemption
+        self._stop_plan = _hooks.StopPlan(
+            self._store, f"ckptd/preempt/{self.path}/{self.attempt}", self.rank
+        )
+        self._stopped = False
+        if self._signals:
+            if self.world_size > 1 and self._store is None:
+                log.warning(
+                    "job %s rank %d: save_on_preemption without a torch.distributed process "
+                    "group: the ranks cannot agree on the last checkpoint's step, each stops "
+                    "where it sees the signal",
+                    self.path,
+                    self.rank,
+                )
+            _hooks.install(self._signals)
         _open.add(self)
 
     # -- setup -------------------------------------------------------------------------
@@ -123,7 +151,9 @@ class Checkpointer:
                 attempt or f"process-{uuid.uuid4()}",
             )
         store = _world.dist_store()
-        key = f"ckptd/coordinator/{self.path}"
+        # torchrun keeps its store across restarts: a key without the attempt would hand
+        # the restarted ranks the address of the previous attempt's (dead) coordinator.
+        key = f"ckptd/coordinator/{self.path}" + (f"/{attempt}" if attempt else "")
         if store is None:
             raise CkptError(
                 f"job {self.path!r} rank {self.rank} of {self.world_size}: no coordinator address and no "
@@ -212,6 +242,7 @@ class Checkpointer:
         pending.timings.blocking_s = time.perf_counter() - t0
         pending.bytes = job.size
         self._inflight = pending
+        self._last_step = step
         if blocking:
             self._persist(job, pending)
             pending.wait()
@@ -463,6 +494,108 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return ckfmt.latest_step(self.storage)
 
+    # -- resume and the training loop ---------------------------------------------------
+    def resume(
+        self, state: Any, *, allow_fresh_start: bool = False, strict: bool = True
+    ) -> int | None:
+        """Load the newest whole checkpoint into `state`; its step, or None for a new job.
+
+        Every rank must call it; they load the same step. Steps that never committed,
+        are marked bad, or fail verification are skipped (logged with the reason) and the
+        previous one is tried. Raises CheckpointNotFound when checkpoints exist but none
+        loads, unless allow_fresh_start=True (then logs the error and returns None).
+        """
+        self._check_open()
+        step = _resume.resume(self, state, allow_fresh_start=allow_fresh_start, strict=strict)
+        if step is not None:
+            self._last_step = step
+        return step
+
+    def maybe_save(
+        self,
+        state: Any,
+        step: int,
+        *,
+        every: int | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> PendingSave | None:
+        """The one call a training loop makes after each step: saves when one is due.
+
+        Saves (asynchronously) when `step` is a multiple of `every`, unless this step was
+        just resumed from or saved. With save_on_preemption, a noted signal makes this the
+        safe point: the save in flight is finished, or one last checkpoint is taken
+        (blocking), then the process exits as the signal asked. Returns the PendingSave
+        of the save it started or finished, else None.
+        """
+        self._check_open()
+        if every is not None and every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        layout.check_step(step)
+        if self._signals and not self._stopped:
+            p = self._inflight
+            inflight = p.step if p is not None and not p.done() else None
+            stop = self._stop_plan.poll(step, _hooks.received(), inflight)
+            if stop is not None:
+                return self._last_checkpoint(state, step, metadata, stop)
+        if every is not None and step % every == 0 and step != self._last_step:
+            return self.save(state, step, metadata=metadata)
+        return None
+
+    @property
+    def preempted(self) -> int | None:
+        """The signal that stopped the job (its last checkpoint is taken), else None."""
+        stop = self._stop_plan.stop
+        return stop.signum if self._stopped and stop is not None else None
+
+    def _last_checkpoint(
+        self, state: Any, step: int, metadata: dict[str, Any] | None, stop: _hooks.Stop
+    ) -> PendingSave | None:
+        """Finish the save in flight or take one last checkpoint; then exit (or report).
+
+        Every rank decides the same way: `stop` is shared, the saves issued so far are
+        the same on every rank (they follow the steps), and a save commits or aborts for
+        all ranks at once.
+        """
+        name = _hooks.signal_name(stop.signum)
+        log.warning(
+            "job %s rank %d: %s received (rank %d saw it first); taking the last checkpoint at step %d",
+            self.path,
+            self.rank,
+            name,
+            stop.rank,
+            step,
+        )
+        self._stopped = True
+        final = self._inflight
+        if final is not None:
+            final._done.wait()
+            if final._error is not None:
+                log.error(
+                    "job %s: the save of step %d failed (%s); taking a new one at step %d",
+                    self.path,
+                    final.step,
+                    final._error,
+                    step,
+                )
+                final._error_seen = True
+                final = None
+            elif stop.inflight is None and final.step != step:
+                final = None  # nothing was in flight when the signal came: save this step
+        if final is None:
+            final = self.save(state, step, metadata=metadata, blocking=True)
+        result = final.wait()
+        log.warning(
+            "job %s rank %d: last checkpoint: step %d committed (%s); %s",
+            self.path,
+            self.rank,
+            final.step,
+            result.path if result is not None else "-",
+            f"exiting as {name} asks" if self.exit_on_preemption else "stop the loop now",
+        )
+        if self.exit_on_preemption:
+            _hooks.exit_for(stop.signum)
+        return final
+
     # -- lifecycle ---------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -479,6 +612,7 @@ class Checkpointer:
             p = self._inflight
             if p is not None:
                 p._done.wait()
+            self._wait_for_peers()
             self._closed = True
             self._worker.shutdown(wait=True)
             self.client.close()
@@ -488,7 +622,39 @@ class Checkpointer:
             _open.discard(self)
         finally:
             self._closed = True
+            if self._signals:
+                _hooks.uninstall(self._signals)
+                self._signals = ()
         self._raise_unseen(p)
+
+    def _wait_for_peers(self, timeout_s: float = 30.0) -> None:
+        """Rank 0 hosting the coordinator waits (bounded) until every rank has closed.
+
+        Another rank may still be waiting for its last save's commit answer; stopping the
+        coordinator under it would turn a committed save into an error on that rank.
+        """
+        if self._store is None:
+            return
+        key = f"ckptd/closed/{self.path}/{self.attempt}"
+        try:
+            n = self._store.add(key, 1)  # type: ignore[attr-defined]
+            if self._embedded is None:
+                return
+            deadline = time.monotonic() + timeout_s
+            while n < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.02)
+                n = self._store.add(key, 0)  # type: ignore[attr-defined]
+            if n < self.world_size:
+                log.warning(
+                    "job %s: %d of %d ranks closed their Checkpointer within %.0f s; "
+                    "stopping the coordinator anyway",
+                    self.path,
+                    n,
+                    self.world_size,
+                    timeout_s,
+                )
+        except Exception as e:  # noqa: BLE001 - the store is gone (the job is ending): go on
+            log.debug("job %s: could not wait for the other ranks to close: %s", self.path, e)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -1,0 +1,81 @@
+"""Resume: load the newest checkpoint that is whole, or say clearly that there is none.
+
+The work of choosing is the load's (ckpt._restore.load_checkpoint with fallback): the
+newest committed step is tried first; a step that fails verification on any rank
+(CorruptCheckpoint: a hash mismatch, a missing or truncated shard, a bad index) is
+quarantined and the previous one is tried, every rank agreeing on the step. What resume
+adds is the policy around it:
+
+- every step it passes over is logged with the reason: a step directory without a
+  manifest (a save that never committed: aborted, or a rank killed mid-write), a manifest
+  that does not parse, a step quarantined earlier;
+- None only when the job has no checkpoint at all: nothing ever committed (no step
+  directory, or only saves that never committed);
+- when checkpoints were committed but none loads, an error, never a silent fresh start
+  (promise 2), unless the caller asks for one with allow_fresh_start=True.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
+from ckptd.format import checkpoint as ckfmt
+
+if TYPE_CHECKING:
+    from ckpt._checkpointer import Checkpointer
+
+log = logging.getLogger("ckpt")
+
+
+def resume(cp: Checkpointer, state: Any, *, allow_fresh_start: bool, strict: bool) -> int | None:
+    steps = ckfmt.list_steps(cp.storage)
+    lead = cp.rank == 0  # one rank tells what storage holds; every rank tells its own failures
+    skipped = [s for s in reversed(steps) if s.status != ckfmt.COMMITTED]
+    for s in skipped:
+        if lead:
+            log.warning(
+                "resume %s: skipping step %d: %s: %s",
+                cp.path,
+                s.step,
+                s.status.lower(),
+                s.error or "no reason recorded",
+            )
+    # A step directory without a manifest never was a checkpoint; any other status means
+    # one was committed (and may have been damaged or marked bad since).
+    if all(s.status == ckfmt.INCOMPLETE for s in steps):
+        if lead and steps:
+            log.warning(
+                "resume %s: nothing was ever committed (%d unfinished save(s)); starting fresh",
+                cp.path,
+                len(steps),
+            )
+        elif lead:
+            log.info("resume %s: no checkpoint yet; starting fresh", cp.path)
+        return None
+    try:
+        res = cp.load(state, strict=strict)
+    except (CorruptCheckpoint, CheckpointNotFound) as e:
+        reasons = [f"step {s.step}: {s.status.lower()}: {s.error}" for s in skipped]
+        message = (
+            f"resume {cp.path}: checkpoints were committed but none can be loaded whole "
+            f"({'; '.join([*reasons, str(e)])}). Nothing usable was loaded (tensors in the "
+            "state may hold verified bytes of a failed step). Check the storage (`ckptctl "
+            "verify --all`), restore a copy, or pass allow_fresh_start=True to start from "
+            "scratch on purpose"
+        )
+        if allow_fresh_start:
+            log.error("%s; starting fresh as allowed", message)
+            return None
+        raise CheckpointNotFound(message) from e
+    if lead:
+        log.info(
+            "resume %s: resumed from step %d%s",
+            cp.path,
+            res.step,
+            f" (step {res.fell_back_from} failed verification and is now quarantined)"
+            if res.fell_back_from is not None
+            else "",
+        )
+    return res.step
