@@ -3,11 +3,19 @@
 import ckpt
 ckpt.save(state, "/ckpts/run42", step=100)
 ckpt.load(state, "/ckpts/run42")          # newest committed step, in place
+
+ckpt.init("/ckpts/run42")                 # or CKPT_PATH: a process-wide Checkpointer
+start = ckpt.resume(state) or 0           # newest whole checkpoint; None for a new job
+ckpt.save(state)                          # asynchronous; step from state["step"]
+ckpt.wait()
 """
 
 from ckpt._api import LoadResult, SaveResult, apply_retention, load, save
 from ckpt._checkpointer import Checkpointer
+from ckpt._default import init, resume, wait
 from ckpt._flatten import PerRank
+from ckpt._pending import PendingSave
+from ckpt._rng import RNGState
 from ckptd.errors import (
     CheckpointExists,
     CheckpointNotFound,
@@ -33,7 +41,9 @@ __all__ = [
     "Checkpointer",
     "CoordinatorUnavailable",
     "DivergentReplicas",
+    "PendingSave",
     "PerRank",
+    "RNGState",
     "SaveAborted",
     "SaveFailed",
     "StaleGeneration",
@@ -53,6 +63,9 @@ __all__ = [
     "UnsafePath",
     "UnsupportedValue",
     "apply_retention",
+    "init",
     "load",
+    "resume",
     "save",
+    "wait",
 ]

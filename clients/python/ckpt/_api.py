@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 from ckpt._flatten import flatten
 from ckpt._restore import LoadResult, load_checkpoint
@@ -25,6 +25,9 @@ from ckptd.format import layout, recycle
 from ckptd.format.manifest import Manifest
 from ckptd.format.writer import ShardWriteStats, WriteItem, write_shard
 from ckptd.storage import Storage, open_storage
+
+if TYPE_CHECKING:
+    from ckpt._pending import PendingSave
 
 log = logging.getLogger("ckpt")
 
@@ -70,24 +73,77 @@ def _check_metadata(metadata: Any) -> dict[str, Any]:
     return metadata
 
 
+@overload
+def save(
+    state: Any,
+    path: None = None,
+    *,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> PendingSave: ...
+
+
+@overload
 def save(
     state: Any,
     path: PathLike,
     *,
     step: int,
     metadata: dict[str, Any] | None = None,
-    verify: str = "full",
+    verify: str | None = None,
     keep_last: int | None = None,
     preallocate: bool | None = None,
     io_threads: int | None = None,
-) -> SaveResult:
+) -> SaveResult: ...
+
+
+def save(
+    state: Any,
+    path: PathLike | None = None,
+    *,
+    step: int | None = None,
+    metadata: dict[str, Any] | None = None,
+    verify: str | None = None,
+    keep_last: int | None = None,
+    preallocate: bool | None = None,
+    io_threads: int | None = None,
+) -> SaveResult | PendingSave:
     """Save `state` as step `step` of the job at `path`; returns once it is committed.
 
-    verify="full" re-reads the shard bypassing the page cache and checks every block's
-    blake3 before committing; verify="size" checks presence and sizes only (the bytes are
-    still hashed as they are written, so later verification and loads are checked).
+    verify="full" (default) re-reads the shard bypassing the page cache and checks every
+    block's blake3 before committing; verify="size" checks presence and sizes only (the
+    bytes are still hashed as they are written, so later verification and loads are checked).
     keep_last=N removes older committed steps beyond the newest N after the commit.
+
+    Without a path, saves through the process-wide default Checkpointer (ckpt.init, or
+    $CKPT_PATH) and returns its PendingSave as soon as the state is copied to host memory;
+    the step is state["step"] when present, else one past the last one saved or resumed.
     """
+    if path is None:
+        from ckpt import _default
+
+        given = [
+            name
+            for name, v in (
+                ("verify", verify),
+                ("keep_last", keep_last),
+                ("preallocate", preallocate),
+                ("io_threads", io_threads),
+            )
+            if v is not None
+        ]
+        if given:
+            raise TypeError(
+                "ckpt.save(state) without a path saves through the default Checkpointer; "
+                f"pass {', '.join(given)} to ckpt.init() instead"
+            )
+        return _default.save(state, step=step, metadata=metadata)
+    if step is None:
+        raise TypeError(
+            "ckpt.save(state, path) needs step=...; ckpt.save(state) without a path (after "
+            "ckpt.init) takes the step from state['step']"
+        )
+    verify = verify or "full"
     t0 = time.perf_counter()
     layout.check_step(step)
     meta = _check_metadata(metadata)
@@ -167,8 +223,15 @@ _checkpointers: dict[tuple[str, int | None, str], Any] = {}
 
 def _checkpointer_for(path: PathLike, *, keep_last: int | None, verify: str) -> Any:
     """One Checkpointer per job for module-level calls, closed at exit."""
+    from ckpt import _default
     from ckpt._checkpointer import Checkpointer
 
+    d = _default.current()
+    p = os.fspath(path)
+    if "://" not in p:
+        p = os.path.realpath(os.path.abspath(p))
+    if d is not None and not d._closed and d.path == p:
+        return d  # the job's default Checkpointer: one coordinator per job and process
     k = (os.path.realpath(os.fspath(path)), keep_last, verify)
     cp = _checkpointers.get(k)
     if cp is None:
