@@ -1,4 +1,5 @@
-# Quick start: `make demo` runs the walk-through, `make test` runs the tests.
+# Quick start: `make demo` runs the multi-rank story (a rank killed mid-save, torchrun
+# restarts, training resumes bit-identically), `make test` runs the tests.
 # Both create .venv and install everything on first use.
 # GPU users: make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 PYTHON ?= python3

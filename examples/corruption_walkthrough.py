@@ -1,8 +1,9 @@
 """A single-process walk-through: train, save, corrupt, verify, restore, continue.
 
-Run it with `make demo`. Checkpoints go to ./demo-ckpts (removed at the start).
-The multi-rank story (kill a rank mid-save, torchrun restart, resume) arrives with the
-coordinator; this shows the format's promises on one process.
+Run it with `.venv/bin/python examples/corruption_walkthrough.py`. Checkpoints go to
+./demo-ckpts/tiny-mlp (removed at the start). It shows the format's promises on one
+process: silent corruption is found by `ckptctl verify` and refused by a load. The
+multi-rank story (a rank killed mid-save, torchrun restart, resume) is examples/demo.py.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def state_of(run: dict) -> dict:
 
 
 def main() -> int:
-    shutil.rmtree(ROOT, ignore_errors=True)
+    shutil.rmtree(JOB, ignore_errors=True)
     say("1. Train a small MLP with AdamW and save every 10 steps (blocking, verified)")
     run = make_run()
     for target in (10, 20, 30):
