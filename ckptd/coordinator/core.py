@@ -45,6 +45,7 @@ from ckptd.storage import Storage, open_storage
 log = logging.getLogger("ckptd.coordinator")
 
 OPEN, COMMITTING, COMMITTED, ABORTED = "OPEN", "COMMITTING", "COMMITTED", "ABORTED"
+QUARANTINED = "QUARANTINED"  # committed, then failed verification when loaded
 MAX_PLAN_CHUNKS_PER_PART = 20_000
 MAX_WORLD_SIZE = layout.MAX_RANK + 1
 
@@ -686,6 +687,30 @@ class Coordinator:
             raise CheckpointNotFound(f"job {name!r} has no step {step}")
         return rec
 
+    async def quarantine(self, job: str, step: int, reason: str) -> SaveRecord:
+        """Mark a committed step QUARANTINED (a load found it corrupt); idempotent.
+
+        The marker in the step directory is written too when the loader could not (storage
+        is the truth: rebuild-catalog reads it back).
+        """
+        name = self.job_name(job)
+        rec = self.catalog.save(name, step)
+        if rec is None or rec.status not in (COMMITTED, QUARANTINED):
+            raise CheckpointNotFound(f"job {name!r} has no committed step {step} to quarantine")
+        st = self.storage(name)
+        reason = reason[:4000] or "quarantined"
+        if await asyncio.to_thread(ckfmt.quarantine_reason, st, step) is None:
+            await asyncio.to_thread(ckfmt.quarantine, st, step, reason)
+        if rec.status != QUARANTINED:
+            log.warning("job %s step %d quarantined: %s", name, step, reason)
+            await self.catalog.write(
+                "UPDATE saves SET status=?, reason=? WHERE job=? AND step=?",
+                (QUARANTINED, reason, name, step),
+            )
+        rec = self.catalog.save(name, step)
+        assert rec is not None
+        return rec
+
     # -- aborts, leases, retention -----------------------------------------------------
     def _newest_generation(self, job: str) -> int | None:
         if job not in self._generations:
@@ -799,7 +824,11 @@ class Coordinator:
         if len(committed) <= keep_last:
             return
         newest = committed[-1]
-        for step in committed[:-keep_last]:
+        # Quarantined steps older than every kept one go too (they are never loaded again).
+        oldest_kept = committed[-keep_last]
+        quarantined = [r.step for r in self.catalog.saves(job, QUARANTINED)]
+        doomed = sorted(committed[:-keep_last] + [q for q in quarantined if q < oldest_kept])
+        for step in doomed:
             if step >= newest:
                 continue
             crash_point("coordinator.during_retention")
@@ -919,15 +948,17 @@ class Coordinator:
                 data = st.read_bytes(
                     f"{layout.step_dir(m.step)}/{layout.MANIFEST_NAME}", limit=1 << 30
                 )
+                quarantined = info.status == ckfmt.QUARANTINED
                 self.catalog.execute(
-                    "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, bytes, created_unix, "
-                    "committed_unix, manifest_blake3) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, reason, bytes, "
+                    "created_unix, committed_unix, manifest_blake3) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         job,
                         m.step,
                         m.generation,
                         m.world_size,
-                        COMMITTED,
+                        QUARANTINED if quarantined else COMMITTED,
+                        (info.error or "") if quarantined else "",
                         sum(s.size for s in m.shards),
                         m.created_unix,
                         m.created_unix,

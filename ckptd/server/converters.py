@@ -18,6 +18,7 @@ STATUS_TO_PB = {
     core.COMMITTING: pb.COMMITTING,
     core.COMMITTED: pb.COMMITTED,
     core.ABORTED: pb.ABORTED,
+    core.QUARANTINED: pb.QUARANTINED,
 }
 STATUS_FROM_PB = {v: k for k, v in STATUS_TO_PB.items()}
 

@@ -119,3 +119,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ) -> pb.CheckpointInfo:
         step = request.step if request.WhichOneof("which") == "step" else None
         return cv.record_to_pb(self.core.get_checkpoint(request.job, step))
+
+    @_translated
+    async def Quarantine(
+        self, request: pb.QuarantineRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CheckpointInfo:
+        return cv.record_to_pb(
+            await self.core.quarantine(request.job, request.step, request.reason)
+        )

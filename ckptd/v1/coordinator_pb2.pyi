@@ -14,11 +14,13 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMITTING: _ClassVar[Status]
     COMMITTED: _ClassVar[Status]
     ABORTED: _ClassVar[Status]
+    QUARANTINED: _ClassVar[Status]
 STATUS_UNSPECIFIED: Status
 OPEN: Status
 COMMITTING: Status
 COMMITTED: Status
 ABORTED: Status
+QUARANTINED: Status
 
 class OpenJobRequest(_message.Message):
     __slots__ = ("job", "attempt")
@@ -201,3 +203,13 @@ class GetCheckpointRequest(_message.Message):
     step: int
     latest: bool
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ...) -> None: ...
+
+class QuarantineRequest(_message.Message):
+    __slots__ = ("job", "step", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...

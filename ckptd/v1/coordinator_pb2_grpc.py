@@ -74,6 +74,11 @@ class CoordinatorStub:
                 request_serializer=ckptd_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_coordinator__pb2.CheckpointInfo.FromString,
                 _registered_method=True)
+        self.Quarantine = channel.unary_unary(
+                '/ckptd.v1.Coordinator/Quarantine',
+                request_serializer=ckptd_dot_v1_dot_coordinator__pb2.QuarantineRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_coordinator__pb2.CheckpointInfo.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -138,6 +143,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Quarantine(self, request, context):
+        """A committed step failed verification when it was loaded: mark it QUARANTINED so
+        that the newest-step queries skip it (the loader also writes QUARANTINED.json into
+        the step directory; storage stays the truth). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +193,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'GetCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCheckpoint,
                     request_deserializer=ckptd_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_coordinator__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'Quarantine': grpc.unary_unary_rpc_method_handler(
+                    servicer.Quarantine,
+                    request_deserializer=ckptd_dot_v1_dot_coordinator__pb2.QuarantineRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_coordinator__pb2.CheckpointInfo.SerializeToString,
             ),
     }
@@ -397,6 +416,33 @@ class Coordinator:
             target,
             '/ckptd.v1.Coordinator/GetCheckpoint',
             ckptd_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
+            ckptd_dot_v1_dot_coordinator__pb2.CheckpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Quarantine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Coordinator/Quarantine',
+            ckptd_dot_v1_dot_coordinator__pb2.QuarantineRequest.SerializeToString,
             ckptd_dot_v1_dot_coordinator__pb2.CheckpointInfo.FromString,
             options,
             channel_credentials,

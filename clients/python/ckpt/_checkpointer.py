@@ -489,7 +489,20 @@ class Checkpointer:
             cast=cast,
             fallback=fallback,
             rank=self.rank,
+            on_quarantine=self._quarantined,
         )
+
+    def _quarantined(self, step: int, reason: str) -> None:
+        """A load found `step` corrupt: record it in the coordinator's catalog too."""
+        try:
+            self.client.quarantine(self.path, step, reason)
+        except CkptError as e:
+            log.warning(
+                "job %s: could not tell the coordinator that step %d is quarantined: %s",
+                self.path,
+                step,
+                e,
+            )
 
     def latest_step(self) -> int | None:
         return ckfmt.latest_step(self.storage)
@@ -634,6 +647,10 @@ class Checkpointer:
         coordinator under it would turn a committed save into an error on that rank.
         """
         if self._store is None:
+            return
+        if self._signals and _hooks.received() is not None and not self._stopped:
+            # Signalled but leaving before a safe point (an exception on the way out, e.g. a
+            # peer died): the launcher is tearing the job down; do not make it wait longer.
             return
         key = f"ckptd/closed/{self.path}/{self.attempt}"
         try:

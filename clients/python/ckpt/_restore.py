@@ -76,6 +76,13 @@ class _Dest:
     sizes: tuple[int, ...] = ()
 
 
+# numpy's own dtypes; values saved from numpy arrays are always one of these.
+_NUMPY_DTYPES = frozenset(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 "
+    "complex64 complex128".split()
+)
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
     dst.detach().copy_(src, non_blocking=non_blocking)
 
@@ -364,6 +371,8 @@ class Planner:
         entry = self._saved(key)
         shape = tuple(entry.shape)
         try:
+            if entry.dtype not in _NUMPY_DTYPES:  # ml_dtypes would make np.dtype() accept more
+                raise TypeError(entry.dtype)
             np_dtype = np.dtype(entry.dtype)
         except TypeError:
             raise InvalidManifest(

@@ -180,6 +180,10 @@ class CoordinatorClient:
         )
         return self._call(f"job {job!r}", self._stub.GetCheckpoint, req)
 
+    def quarantine(self, job: str, step: int, reason: str) -> pb.CheckpointInfo:
+        req = pb.QuarantineRequest(job=job, step=step, reason=reason[:4000])
+        return self._call(f"job {job!r} step {step}", self._stub.Quarantine, req, timeout_s=30)
+
 
 def _what(ref: SaveRef) -> str:
     return f"job {ref.job!r} step {ref.step} rank {ref.rank}/{ref.world_size} generation {ref.generation}"
