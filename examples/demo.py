@@ -126,14 +126,20 @@ def narrate(line: str, stage: int, cfg: Config) -> int:
     if "kill -9 of this rank planned" in line and stage < 2:
         heading(f"2. kill -9 rank 1 in the middle of its background save of step {cfg.crash_at}")
         stage = 2
+    if "closing signal SIGTERM" in line and stage == 2:
+        print(
+            "[torchrun] rank 1 is dead: SIGTERM to rank 0 (which notes it and waits for its "
+            "save in flight)"
+        )
+        return stage
     if "failed (exitcode: -9)" in line and stage < 3:
-        heading("3. torchrun sees the dead worker and restarts both (--max-restarts 1)")
-        print("[torchrun] rank 1 exited with SIGKILL; stopping rank 0 and starting attempt 1")
+        heading("3. torchrun restarts both workers (--max-restarts 1): attempt 1")
+        print("[torchrun] rank 1 exited with SIGKILL, rank 0 has exited: starting attempt 1")
         return 3
     if line.startswith("[rank0]: RuntimeError") and "Connection reset" in line:
-        print("[torchrun] rank 0: its next gradient all-reduce failed: rank 1 is gone")
+        print("[train] rank 0: its next gradient all-reduce failed: rank 1 is gone")
         return stage
-    if line.startswith("[ckpt]") and stage < 4:
+    if line.startswith("[ckpt]") and stage == 3:
         heading("4. The new workers resume from the last committed checkpoint")
         stage = 4
     if line.startswith("[train]") and "resumed from step" in line:
@@ -257,6 +263,9 @@ def story(cfg: Config, *, show: bool = True) -> dict[str, Any]:
     facts["skipped_line"] = next(
         (x for x in log.splitlines() if "skipping step" in x and "resume" in x), None
     )
+    facts["lease_line"] = next(
+        (x for x in log.splitlines() if "aborting job" in x and "lease expired" in x), None
+    )
     facts["recovered_line"] = next(
         (x for x in log.splitlines() if "recovered job" in x and "ABORTED" in x), None
     )
@@ -321,7 +330,9 @@ def summary(facts: dict[str, Any]) -> bool:
         ),
         (
             "interrupted save",
-            f"step {facts['crash_at']}: never committed, skipped by resume"
+            f"step {facts['crash_at']}: "
+            + ("aborted (rank 1 silent past the lease), " if facts.get("lease_line") else "")
+            + "never committed, skipped by resume"
             if facts.get("skipped_line")
             else "?",
         ),

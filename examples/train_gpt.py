@@ -164,10 +164,12 @@ def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    # ckpt logs why it skips a checkpoint and what the coordinator recovered; show them.
-    logging.basicConfig(
-        level=logging.WARNING, format=f"[ckpt] rank {rank}: %(message)s", stream=sys.stdout
-    )
+    # ckpt logs why it skips a checkpoint and what the coordinator aborted or recovered.
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"[ckpt] rank {rank}: %(message)s"))
+    for name in ("ckpt", "ckptd"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     text = corpus()
     chars = sorted(set(text))
@@ -199,7 +201,9 @@ def main() -> int:
         "step": 0,
     }
 
-    cp = ckpt.Checkpointer(args.ckpt, keep_last=3, lease_s=args.lease, timeout_s=60)
+    cp = ckpt.Checkpointer(
+        args.ckpt, keep_last=3, lease_s=args.lease, timeout_s=60, save_on_preemption=True
+    )
     t0 = time.perf_counter()
     resumed = cp.resume(state)
     start = resumed or 0

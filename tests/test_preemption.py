@@ -267,3 +267,9 @@ def test_two_ranks_signalled_one_take_the_last_checkpoint_at_the_same_step(
         assert "rank 1 saw it first" in e, logs
         assert "Traceback" not in e, logs
     assert os.path.exists(job / f"step-{last[0]:012d}" / "MANIFEST.json")
+    # The job comes back with another world size (here 1 process): resume just works.
+    st = {"w": torch.zeros(64, 64), "step": 0, "mine": ckpt.PerRank(torch.zeros(3))}
+    with ckpt.Checkpointer(job) as cp:
+        assert cp.resume(st) == last[0]
+    assert float(st["w"][0, 0]) == 2 * sum(range(1, last[0] + 1))  # all-reduced over 2 ranks
+    assert torch.equal(st["mine"].value, torch.zeros(3))  # rank 0's own value
