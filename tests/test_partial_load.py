@@ -159,3 +159,37 @@ def test_all_steps_bad_raises_the_first_error_type(job):
         ckpt.load({}, job)
     with pytest.raises(ckpt.CheckpointNotFound, match="quarantined"):
         ckpt.load({}, job)
+
+
+def test_unreadable_newest_falls_back_without_quarantine(job, monkeypatch):
+    """An I/O error (EIO) may be transient: skip the step this time, do not quarantine it."""
+    import errno
+
+    from ckptd.errors import StorageError
+    from ckptd.storage.local import LocalStorage
+
+    for s in (1, 2):
+        ckpt.save({"w": torch.full((64,), float(s))}, job, step=s)
+
+    class Failing:
+        def __init__(self, h):
+            self.h, self.size, self.path = h, h.size, h.path
+
+        def read(self, offset, length):
+            raise StorageError(errno.EIO, f"read {self.path} at {offset} failed: EIO")
+
+        def close(self):
+            self.h.close()
+
+    class EIOStorage(LocalStorage):
+        def open_read(self, path, *, cold=False):
+            h = super().open_read(path, cold=cold)
+            return Failing(h) if path.startswith("step-000000000002/") else h
+
+    monkeypatch.setattr(ckpt._api, "open_storage", lambda p, **kw: EIOStorage(str(p)))
+    res = ckpt.load({}, job)
+    assert res.step == 1 and res.fell_back_from == 2 and res.quarantined == []
+    assert "EIO" in res.fallback_reason
+    assert ckfmt.quarantine_reason(open_storage(job), 2) is None
+    monkeypatch.undo()
+    assert ckpt.load({}, job).step == 2  # readable again: loaded again

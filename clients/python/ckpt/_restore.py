@@ -553,7 +553,7 @@ def load_checkpoint(
         ckfmt.resolve_step(storage, None)  # raises CheckpointNotFound with the details
     # Every rank starts from the same step (one may already see a marker another wrote).
     current = -_reduce_max(-candidates[0])
-    failures: list[tuple[int, str]] = []
+    failures: list[tuple[int, str, bool]] = []
     first_error: CkptError | None = None
     while True:
         error: BaseException | None = None
@@ -590,38 +590,46 @@ def load_checkpoint(
                 nbytes,
                 fell_back_from=failures[0][0],
                 fallback_reason=failures[0][1],
-                quarantined=[s for s, _ in failures],
+                quarantined=[s for s, _, q in failures if q],
             )
-        # Some rank found this step corrupt.
+        # Some rank found this step corrupt (or could not read it).
+        quarantined = False
         if error is not None:
             reason = f"rank {rank}: {error}"
             if first_error is None and isinstance(error, CkptError):
                 first_error = error
-            try:
-                ckfmt.quarantine(storage, current, reason)
-                if on_quarantine is not None:
-                    on_quarantine(current, reason)
-            except (CkptError, OSError) as e:
-                log.error("could not quarantine %s step %d: %s", storage.url, current, e)
+            if isinstance(error.__cause__, OSError):
+                # The device refused a read (EIO, a vanished mount): maybe transient, so the
+                # step is skipped this time but not quarantined; the next load tries it again.
+                log.error("%s step %d could not be read; not quarantined", storage.url, current)
+            else:
+                try:
+                    ckfmt.quarantine(storage, current, reason)
+                    quarantined = True
+                    if on_quarantine is not None:
+                        on_quarantine(current, reason)
+                except (CkptError, OSError) as e:
+                    log.error("could not quarantine %s step %d: %s", storage.url, current, e)
         else:
-            reason = f"another rank found step {current} corrupt (see its log)"
-        failures.append((current, reason))
+            reason = f"another rank found step {current} corrupt or unreadable (see its log)"
+        failures.append((current, reason, quarantined))
         older = [s for s in candidates if s < current]
         log.error(
-            "CHECKPOINT STEP %d OF %s FAILED VERIFICATION AND IS QUARANTINED (%s); %s",
+            "CHECKPOINT STEP %d OF %s FAILED VERIFICATION%s (%s); %s",
             current,
             storage.url,
+            " AND IS QUARANTINED" if quarantined else "",
             reason,
             f"falling back to step {older[0]}" if older else "no older committed step to load",
         )
         if not older:
-            summary = "; ".join(f"step {s}: {r}" for s, r in failures)
+            summary = "; ".join(f"step {s}: {r}" for s, r, _ in failures)
             # The first failure's type (HashMismatch, ShardMissing...), every step's story.
             kind = type(first_error) if first_error is not None else CorruptCheckpoint
             err = kind(
                 f"{storage.url}: no committed step could be loaded; every one failed "
-                f"verification and is quarantined: {summary}. Nothing valid was loaded (tensors "
-                "may hold verified bytes of a failed step); restore from a replica"
+                f"verification or could not be read: {summary}. Nothing valid was loaded "
+                "(tensors may hold verified bytes of a failed step); restore from a replica"
             )
             raise err from first_error
         current = -_reduce_max(-older[0])
