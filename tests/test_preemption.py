@@ -273,3 +273,35 @@ def test_two_ranks_signalled_one_take_the_last_checkpoint_at_the_same_step(
         assert cp.resume(st) == last[0]
     assert float(st["w"][0, 0]) == 2 * sum(range(1, last[0] + 1))  # all-reduced over 2 ranks
     assert torch.equal(st["mine"].value, torch.zeros(3))  # rank 0's own value
+
+
+LEFT_UNHANDLED = """
+import signal, sys, ckpt
+cp = ckpt.Checkpointer(sys.argv[1], save_on_preemption=True)
+signal.raise_signal(signal.SIGTERM)  # noted; no maybe_save comes after it
+if sys.argv[2] == "close":
+    cp.close()
+    print("UNREACHABLE: the signal was lost")
+else:
+    with cp:
+        raise RuntimeError("the loop failed")
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "exception"])
+def test_a_signal_no_maybe_save_acted_on_is_not_lost(tmp_path: Path, how: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", LEFT_UNHANDLED, str(tmp_path / "job"), how],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
+    if how == "close":
+        # Delivered again once the default handler is back: the process dies of it.
+        assert proc.returncode == -signal.SIGTERM, proc.stderr
+        assert "no last checkpoint was taken; delivering it again" in proc.stderr
+        assert "UNREACHABLE" not in proc.stdout
+    else:
+        # An exception on its way out is not cut short: its traceback is printed.
+        assert proc.returncode == 1 and "RuntimeError: the loop failed" in proc.stderr

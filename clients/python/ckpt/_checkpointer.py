@@ -87,6 +87,8 @@ class Checkpointer:
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        if save_on_preemption:
+            _hooks.check_main_thread()  # before anything is started that would need closing
         p = os.fspath(path)
         self.path = p if "://" in p else os.path.realpath(os.path.abspath(p))
         self.keep_last = keep_last
@@ -617,10 +619,16 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the save in flight, then release the coordinator and buffers.
 
-        Raises the in-flight save's failure (unless on_error="warn").
+        Raises the in-flight save's failure (unless on_error="warn"). With
+        save_on_preemption, a signal that no maybe_save acted on is delivered again once
+        the handlers are restored: the process ends as that signal asked.
         """
+        self._close(redeliver=True)
+
+    def _close(self, *, redeliver: bool) -> None:
         if self._closed:
             return
+        pending: int | None = None
         try:
             p = self._inflight
             if p is not None:
@@ -636,9 +644,20 @@ class Checkpointer:
         finally:
             self._closed = True
             if self._signals:
-                _hooks.uninstall(self._signals)
+                pending = _hooks.received() if not self._stopped else None
+                if not _hooks.uninstall(self._signals):
+                    pending = None  # another Checkpointer still holds the handlers
                 self._signals = ()
         self._raise_unseen(p)
+        if pending is not None and redeliver:
+            log.warning(
+                "job %s rank %d: %s arrived but no maybe_save() came after it, so no last "
+                "checkpoint was taken; delivering it again",
+                self.path,
+                self.rank,
+                _hooks.signal_name(pending),
+            )
+            _hooks.redeliver(pending)
 
     def _wait_for_peers(self, timeout_s: float = 30.0) -> None:
         """Rank 0 hosting the coordinator waits (bounded) until every rank has closed.
@@ -677,12 +696,16 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is not None and self.on_error == "raise":
-            # Do not hide the exception that is already propagating.
+        if exc_type is not None:
+            # Do not hide the exception that is already propagating (nor kill the process
+            # with a pending signal before its traceback is printed).
             try:
-                self.close()
+                self._close(redeliver=False)
             except BaseException as e:
-                log.error("job %s: the save in flight failed too: %s", self.path, e)
+                if self.on_error == "raise":
+                    log.error("job %s: the save in flight failed too: %s", self.path, e)
+                else:
+                    raise
             return
         self.close()
 

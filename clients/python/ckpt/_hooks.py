@@ -47,18 +47,15 @@ class _Watcher:
             self.signum = signum
 
     def install(self, signals: Iterable[int]) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            raise ValueError(
-                "save_on_preemption=True installs signal handlers, which Python allows only "
-                "in the main thread: create the Checkpointer there"
-            )
+        check_main_thread()
         with self._lock:
             for s in signals:
                 if self._users.get(s, 0) == 0:
                     self._prev[s] = signal.signal(s, self._handler)
                 self._users[s] = self._users.get(s, 0) + 1
 
-    def uninstall(self, signals: Iterable[int]) -> None:
+    def uninstall(self, signals: Iterable[int]) -> bool:
+        """Release `signals`; True when no Checkpointer holds handlers any more."""
         with self._lock:
             for s in signals:
                 n = self._users.get(s, 0) - 1
@@ -70,6 +67,8 @@ class _Watcher:
                 self._restore(s, prev)
             if not self._users:
                 self.signum = None
+                return True
+            return False
 
     def _restore(self, s: int, prev: Any) -> None:
         if signal.getsignal(s) != self._handler:
@@ -86,12 +85,32 @@ class _Watcher:
 _watcher = _Watcher()
 
 
+def check_main_thread() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        raise ValueError(
+            "save_on_preemption=True installs signal handlers, which Python allows only "
+            "in the main thread: create the Checkpointer there"
+        )
+
+
 def install(signals: Iterable[int]) -> None:
     _watcher.install(signals)
 
 
-def uninstall(signals: Iterable[int]) -> None:
-    _watcher.uninstall(signals)
+def uninstall(signals: Iterable[int]) -> bool:
+    return _watcher.uninstall(signals)
+
+
+def redeliver(signum: int) -> None:
+    """Raise `signum` again now that the handler from before ours is back.
+
+    A signal we noted but never acted on (the loop ended or failed before its next
+    maybe_save) must not be lost: with the default disposition the process ends here, as
+    it would have when the signal first came.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.raise_signal(signum)
 
 
 def received() -> int | None:
