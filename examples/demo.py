@@ -52,6 +52,7 @@ class Config:
     layers: int = 4
     print_every: int = 10
     seed: int = 0
+    lease_s: float = 5.0  # a silent rank aborts the save in flight after this long
 
     def train_args(self) -> list[str]:
         return [
@@ -67,6 +68,8 @@ class Config:
             str(self.print_every),
             "--seed",
             str(self.seed),
+            "--lease",
+            str(self.lease_s),
         ]
 
 

@@ -31,7 +31,9 @@ def test_kill_a_rank_mid_save_restart_resume_and_match_an_uninterrupted_run(
     tmp_path: Path,
 ) -> None:
     demo = load_demo()
-    cfg = demo.Config(tmp_path / "story", steps=24, save_every=4, crash_at=16, d_model=32, layers=2)
+    cfg = demo.Config(
+        tmp_path / "story", steps=24, save_every=4, crash_at=16, d_model=32, layers=2, lease_s=2
+    )
     facts = demo.story(cfg, show=False)
     logs = "\n".join(p.read_text()[-4000:] for p in sorted((tmp_path / "story").glob("*.log")))
     assert facts["rc"] == 0, logs
