@@ -193,3 +193,15 @@ def test_unreadable_newest_falls_back_without_quarantine(job, monkeypatch):
     assert ckfmt.quarantine_reason(open_storage(job), 2) is None
     monkeypatch.undo()
     assert ckpt.load({}, job).step == 2  # readable again: loaded again
+
+
+def test_keys_into_lists(job):
+    ckpt.save({"layers": [torch.ones(2), torch.full((2,), 2.0), 5]}, job, step=1)
+    target = {"layers": [torch.zeros(2), torch.zeros(2), 0]}
+    ckpt.load(target, job, keys="layers/1")
+    assert target["layers"][0].sum() == 0 and torch.equal(
+        target["layers"][1], torch.full((2,), 2.0)
+    )
+    assert target["layers"][2] == 0
+    with pytest.raises(ckpt.StateMismatch, match="list has 3 items"):
+        ckpt.load({"layers": [torch.zeros(2)]}, job, keys="layers/*")

@@ -270,7 +270,13 @@ class Planner:
 
     def _list(self, body: list[Any], target: Any, path: str) -> Any:
         if isinstance(target, MutableSequence) and not isinstance(target, (str, bytes)):
-            if self.patterns is not None and len(target) == len(body):
+            if self.patterns is not None:
+                if len(target) != len(body):
+                    self.problems.append(
+                        f"/{path}: the checkpoint's list has {len(body)} items, the state's "
+                        f"{len(target)}; a partial load (keys=) does not change a list's length"
+                    )
+                    return target
                 for i, c in enumerate(body):
                     if self._wanted(c, _join(path, str(i))):
                         value = self.restore(c, target[i], _join(path, str(i)))
