@@ -622,14 +622,16 @@ def test_lease_expiry_aborts(root: Path, job: str) -> None:
 
 def test_keep_alive_holds_the_lease(root: Path, job: str) -> None:
     async def main():
-        core = new_core(root, lease_s=0.3)
+        # The lease is short against the 3 s of "writing" but long enough that a loaded
+        # machine's fsyncs in write() below do not outlast it.
+        core = new_core(root, lease_s=1.0)
         async with started(core):
             ranks = sims(core, job, 1)
             ranks[0].prepare({"w": torch.ones(4)})
             await ranks[0].begin(1)
-            for _ in range(8):  # 1.2 s of writing, renewing every 0.15 s
+            for _ in range(12):  # 3 s of writing, renewing every 0.25 s
                 assert (await core.keep_alive(ranks[0].ref(1))).status == "OPEN"
-                await asyncio.sleep(0.15)
+                await asyncio.sleep(0.25)
             rep = await ranks[0].write(1)
             await ranks[0].report(1, rep)
             return await core.await_commit(ranks[0].ref(1), 10)

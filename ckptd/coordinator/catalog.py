@@ -155,6 +155,11 @@ class Catalog:
         self._pending: list[tuple[str, tuple[Any, ...], asyncio.Future[None]]] = []
         self._flush_task: asyncio.Task[None] | None = None
 
+    async def drain(self) -> None:
+        """Wait until every queued write is durable (or has failed)."""
+        while self._flush_task is not None and not self._flush_task.done():
+            await asyncio.shield(self._flush_task)
+
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self.db.close()

@@ -169,13 +169,20 @@ class Coordinator:
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
 
     async def close(self) -> None:
+        """Stop the watchdog, finish background work, and make queued catalog writes durable
+        (an abort decided just before shutdown must still be recorded)."""
         if self._watchdog:
             self._watchdog.cancel()
+            try:
+                await self._watchdog
+            except (asyncio.CancelledError, Exception):  # noqa: S110 - stopping
+                pass
         for t in list(self._background):
             try:
                 await t
             except Exception:  # noqa: S110 - logged where raised
                 pass
+        await self.catalog.drain()
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.get_running_loop().create_task(coro)
