@@ -74,7 +74,12 @@ def resume(cp: Checkpointer, state: Any, *, allow_fresh_start: bool, strict: boo
             "resume %s: resumed from step %d%s",
             cp.path,
             res.step,
-            f" (step {res.fell_back_from} failed verification and is now quarantined)"
+            (
+                f" (step {res.fell_back_from} failed verification and is now quarantined)"
+                if res.quarantined
+                else f" (step {res.fell_back_from} could not be read: {res.fallback_reason}; "
+                "not quarantined, the error may be transient)"
+            )
             if res.fell_back_from is not None
             else "",
         )
