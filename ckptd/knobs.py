@@ -47,6 +47,9 @@ class Knobs:
     alignment: int = 4096
     # Largest single positional write/read; also the bounce-buffer size for O_DIRECT.
     io_window: int = 8 << 20
+    # Largest single read. Cold O_DIRECT reads ran 1.2-1.3x faster in 32 MiB windows than
+    # in 8 MiB ones here (verify and load, interleaved A/B, 3 reps).
+    read_window: int = 32 << 20
     io_threads: int = 4
     # O_DIRECT for shard writes and cold reads; falls back to buffered where refused.
     direct_io: bool = True
@@ -67,6 +70,7 @@ def _from_env() -> Knobs:
         block_size=_env_int("CKPT_BLOCK_SIZE", d.block_size),
         alignment=d.alignment,
         io_window=_env_int("CKPT_IO_WINDOW", d.io_window),
+        read_window=_env_int("CKPT_READ_WINDOW", d.read_window),
         io_threads=_env_int("CKPT_IO_THREADS", d.io_threads),
         direct_io=_env_bool("CKPT_DIRECT_IO", d.direct_io),
         early_writeback=_env_bool("CKPT_EARLY_WRITEBACK", d.early_writeback),

@@ -122,7 +122,7 @@ def read_entries(
     problems are returned (ckptctl verify reports every bad key, not the first).
     """
     k = knobs.get()
-    windows = plan_reads(entries, block, k.io_window)
+    windows = plan_reads(entries, block, k.read_window)
     if not windows:
         return []
     plain = [r.entry if isinstance(r, EntryRead) else r for r in entries]

@@ -53,7 +53,7 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
         ctypes.memmove(_addr(dst), _addr(src), n)
 
 
-_MIN_BOUNCE = (16 << 20) + 2 * ALIGN  # one hash block plus alignment slack: rarely regrown
+_MIN_BOUNCE = (32 << 20) + 2 * ALIGN  # one read window plus alignment slack: rarely regrown
 
 
 class _Bounce(threading.local):
