@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import atexit
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}
@@ -27,6 +31,25 @@ def executor(threads: int) -> ThreadPoolExecutor:
                 threads, thread_name_prefix=f"ckpt-io{threads}"
             )
         return pool
+
+
+def wait_all(futures: Sequence[Future[T]]) -> list[T]:
+    """Every result, in order; on a failure the pending tasks are cancelled, the running
+    ones are still waited for (they may hold a file descriptor the caller closes next),
+    then the first failure is raised."""
+    first: BaseException | None = None
+    results: list[T] = []
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as e:  # noqa: PERF203 - collect, then raise the first
+            if first is None:
+                first = e
+                for g in futures:
+                    g.cancel()
+    if first is not None:
+        raise first
+    return results
 
 
 def _shutdown() -> None:

@@ -159,7 +159,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
         for chunks in ck.chunks.values()
         for c in chunks
     ]
-    plain = sum(1 for _ in _plain_values(m.state))
+    plain = sum(1 for leaf in values.leaves(m.state) if values.tensor_ref(leaf) is None)
     if args.json:
         _emit_json(
             {
@@ -200,28 +200,6 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     ]
     _print_table(rows, ["KEY", "DTYPE", "SHAPE", "SIZE", "RANK"])
     return OK
-
-
-def _plain_values(node: Any) -> Any:
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, dict):
-            yield n
-            continue
-        ((tag, body),) = n.items()
-        if tag in ("float", "bytes"):
-            yield n
-        elif tag in ("list", "tuple"):
-            stack.extend(body)
-        elif tag == "dict":
-            stack.extend(v for _, v in body)
-        elif tag == "stateful":
-            stack.append(body)
-        elif tag == "per_rank":
-            stack.extend(n for _, n in body)
-        elif tag not in values.TENSOR_TAGS:
-            yield n
 
 
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:

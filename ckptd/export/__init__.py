@@ -37,6 +37,7 @@ from ckptd.format import dtypes
 from ckptd.format.boxes import BoxRead, read_boxes, saved_entry
 from ckptd.format.checkpoint import OpenCheckpoint
 from ckptd.storage.base import Storage
+from ckptd.storage.local import fsync_dir
 
 FORMATS = ("safetensors", "torch", "zarr")
 
@@ -149,14 +150,6 @@ def _remove(path: str) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def header_metadata(ck: OpenCheckpoint) -> dict[str, Any]:
@@ -293,7 +286,7 @@ def export_checkpoint(
         if os.path.lexists(out):
             _remove(out)
         os.rename(tmp, out)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except BaseException:
         _remove(tmp)
         raise

@@ -163,18 +163,8 @@ def read_entries(
 
     try:
         pool = iopool.executor(threads or k.io_threads)
-        futures = [pool.submit(run, w) for w in windows]
-        first: BaseException | None = None
-        for f in futures:
-            try:
-                problems.extend(f.result())
-            except BaseException as e:  # noqa: PERF203
-                if first is None:
-                    first = e
-                    for g in futures:
-                        g.cancel()
-        if first is not None:
-            raise first
+        for found in iopool.wait_all([pool.submit(run, w) for w in windows]):
+            problems.extend(found)
     finally:
         handle.close()
     return problems

@@ -121,24 +121,43 @@ def check_node(node: Any, where: str = "state", depth: int = 0) -> None:
             check_node(pair[1], f"{where}@rank{pair[0]}", depth + 1)
 
 
-def tensor_refs(node: Any) -> Iterator[tuple[str, str]]:
-    """(tag, key) of every tensor reference in a (validated) node tree."""
+def leaves(node: Any) -> Iterator[Any]:
+    """Every leaf of a (validated) node tree: scalar nodes and tensor references."""
     stack = [node]
     while stack:
         n = stack.pop()
-        if not isinstance(n, dict):
-            continue
-        ((tag, body),) = n.items()
+        if isinstance(n, dict):
+            ((tag, body),) = n.items()
+            if tag in ("list", "tuple"):
+                stack.extend(body)
+                continue
+            if tag == "dict":
+                stack.extend(v for _, v in body)
+                continue
+            if tag == "stateful":
+                stack.append(body)
+                continue
+            if tag == "per_rank":
+                stack.extend(x for _, x in body)
+                continue
+        yield n
+
+
+def tensor_ref(leaf: Any) -> tuple[str, str] | None:
+    """(tag, key) when a leaf is a tensor reference, else None."""
+    if isinstance(leaf, dict):
+        ((tag, body),) = leaf.items()
         if tag in TENSOR_TAGS:
-            yield tag, body
-        elif tag in ("list", "tuple"):
-            stack.extend(body)
-        elif tag == "dict":
-            stack.extend(v for _, v in body)
-        elif tag == "stateful":
-            stack.append(body)
-        elif tag == "per_rank":
-            stack.extend(n for _, n in body)
+            return tag, body
+    return None
+
+
+def tensor_refs(node: Any) -> Iterator[tuple[str, str]]:
+    """(tag, key) of every tensor reference in a (validated) node tree."""
+    for leaf in leaves(node):
+        ref = tensor_ref(leaf)
+        if ref is not None:
+            yield ref
 
 
 def decode(node: Any, tensor: Callable[[str, str], Any]) -> Any:

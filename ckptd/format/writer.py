@@ -241,7 +241,7 @@ class ShardWriter:
                     )
                 if i < len(groups):
                     futures.append(pool.submit(hash_group, groups[i]))
-            _wait_all(futures)
+            iopool.wait_all(futures)
         except BaseException as e:
             self.abort()
             _reraise(e, self.ctx)
@@ -402,7 +402,7 @@ def hash_items(items: Sequence[WriteItem], *, threads: int | None = None) -> lis
             run(g)
         return hashes
     pool = iopool.executor(threads or k.io_threads)
-    _wait_all([pool.submit(run, g) for g in groups])
+    iopool.wait_all([pool.submit(run, g) for g in groups])
     return hashes
 
 
@@ -417,20 +417,6 @@ def _write_window(
     crash_point("rank.mid_write")
     if progress is not None:
         progress(length)
-
-
-def _wait_all(futures: Sequence[Future[None]]) -> None:
-    first: BaseException | None = None
-    for f in futures:
-        try:
-            f.result()
-        except BaseException as e:
-            if first is None:
-                first = e
-                for g in futures:
-                    g.cancel()
-    if first is not None:
-        raise first
 
 
 def _verify_written(

@@ -86,7 +86,8 @@ def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (creates, renames) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -230,7 +231,7 @@ class LocalWriteHandle(WriteHandle):
             raise self._storage.io_error("fsync", self.path, e) from e
         os.close(self._fd)
         try:
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
         except OSError as e:
             raise self._storage.io_error("fsync directory of", self.path, e) from e
 
@@ -388,7 +389,7 @@ class LocalStorage(Storage):
         try:
             os.makedirs(full, exist_ok=True)
             for d in reversed(missing):
-                _fsync_dir(os.path.dirname(d))
+                fsync_dir(os.path.dirname(d))
         except OSError as e:
             raise self.io_error("mkdir", path, e) from e
 
@@ -425,7 +426,7 @@ class LocalStorage(Storage):
             if os.path.basename(full) == "MANIFEST.json":
                 crash_point("coordinator.mid_manifest")
             os.rename(tmp, full)
-            _fsync_dir(os.path.dirname(full))
+            fsync_dir(os.path.dirname(full))
         except OSError as e:
             try:
                 os.unlink(tmp)
@@ -477,7 +478,7 @@ class LocalStorage(Storage):
         else:
             return
         try:
-            _fsync_dir(os.path.dirname(full))
+            fsync_dir(os.path.dirname(full))
         except OSError:
             pass
 
@@ -485,8 +486,8 @@ class LocalStorage(Storage):
         s, d = self.full(src), self.full(dst)
         try:
             os.rename(s, d)
-            _fsync_dir(os.path.dirname(d))
+            fsync_dir(os.path.dirname(d))
             if os.path.dirname(s) != os.path.dirname(d):
-                _fsync_dir(os.path.dirname(s))
+                fsync_dir(os.path.dirname(s))
         except OSError as e:
             raise self.io_error("rename", f"{src} -> {dst}", e) from e
