@@ -23,7 +23,7 @@ from ckptd.errors import UnsupportedValue
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout, recycle
 from ckptd.format.manifest import Manifest
-from ckptd.format.writer import ShardWriteStats, WriteItem, write_shard
+from ckptd.format.writer import ShardWriteStats, write_shard
 from ckptd.storage import Storage, open_storage
 
 if TYPE_CHECKING:
@@ -160,12 +160,7 @@ def save(
     ckfmt.begin_step(storage, step)
     stats = ShardWriteStats()
     try:
-        items = [
-            WriteItem(
-                leaf.key, leaf.dtype, leaf.shape, [0] * len(leaf.shape), leaf.shape, leaf.data
-            )
-            for leaf in leaves
-        ]
+        items = [leaf.write_item(leaf.data) for leaf in leaves]
         info = write_shard(
             storage,
             job=job,

@@ -271,17 +271,7 @@ class Checkpointer:
             while n < len(leaves) and _round_up(offsets[n] + sizes[n], align) <= budget:
                 n += 1
         image, staged, _ = stage(leaves[:n], self._image, alignment=align)
-        items = staged + [
-            WriteItem(
-                leaf.key,
-                leaf.dtype,
-                leaf.shape,
-                leaf.chunk_offsets,
-                leaf.chunk_sizes,
-                leaf.host_bytes(),
-            )
-            for leaf in leaves[n:]
-        ]
+        items = staged + [leaf.write_item(leaf.host_bytes()) for leaf in leaves[n:]]
         job = _SaveJob(step, node, meta, image, items, offsets, n, size)
         if n < len(leaves):
             job.writer = ShardWriter(

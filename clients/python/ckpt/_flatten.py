@@ -23,6 +23,7 @@ import torch
 from ckptd.errors import UnsupportedValue
 from ckptd.format import dtypes, values
 from ckptd.format.manifest import MAX_KEY_LEN
+from ckptd.format.writer import WriteItem
 
 
 @dataclasses.dataclass
@@ -44,6 +45,12 @@ class Leaf:
     def host_bytes(self) -> np.ndarray:
         """The bytes in host memory (copies a device tensor to the CPU)."""
         return tensor_bytes(self.source.cpu()) if self.on_device else self.data
+
+    def write_item(self, data: np.ndarray) -> WriteItem:
+        """What the writer needs of this leaf, with its bytes taken from `data`."""
+        return WriteItem(
+            self.key, self.dtype, self.shape, self.chunk_offsets, self.chunk_sizes, data
+        )
 
     def __post_init__(self) -> None:
         if self.nbytes < 0:

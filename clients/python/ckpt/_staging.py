@@ -102,14 +102,7 @@ def stage(
         for j in jobs:
             ctypes.memmove(*j)
     items = [
-        WriteItem(
-            leaf.key,
-            leaf.dtype,
-            leaf.shape,
-            leaf.chunk_offsets,
-            leaf.chunk_sizes,
-            buf[off : off + n],
-        )
+        leaf.write_item(buf[off : off + n])
         for leaf, off, n in zip(leaves, offsets, sizes, strict=True)
     ]
     return buf, items, offsets
