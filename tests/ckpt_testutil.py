@@ -12,13 +12,14 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from ckptd.format import hashing, layout
+from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
 
 # ----------------------------------------------------------------------------- comparison
 
@@ -200,3 +201,60 @@ def list_files(root: str | os.PathLike[str]) -> list[str]:
     for d, _, files in os.walk(root):
         out.extend(os.path.relpath(os.path.join(d, f), root) for f in files)
     return sorted(out)
+
+
+class DelegatingWriteHandle(WriteHandle):
+    """A write handle that passes every call to `inner`; fault wrappers override one."""
+
+    def __init__(self, inner: WriteHandle):
+        self.inner = inner
+        self.path, self.size = inner.path, inner.size
+
+    def write(self, offset: int, length: int, pieces: Sequence[Piece]) -> None:
+        self.inner.write(offset, length, pieces)
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class DelegatingStorage(Storage):
+    """A real storage behind the Storage seam; fault wrappers override what they change."""
+
+    def __init__(self, inner: Storage):
+        self.inner = inner
+        self.url = inner.url
+
+    def makedirs(self, path: str) -> None:
+        self.inner.makedirs(path)
+
+    def open_write(
+        self, path: str, size: int, *, preallocate: bool = False, reuse: str | None = None
+    ) -> WriteHandle:
+        return self.inner.open_write(path, size, preallocate=preallocate, reuse=reuse)
+
+    def open_read(self, path: str, *, cold: bool = False) -> ReadHandle:
+        return self.inner.open_read(path, cold=cold)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        self.inner.write_atomic(path, data)
+
+    def read_bytes(self, path: str, *, limit: int) -> bytes:
+        return self.inner.read_bytes(path, limit=limit)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return self.inner.listdir(path)
+
+    def remove_tree(self, path: str) -> None:
+        self.inner.remove_tree(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self.inner.rename(src, dst)

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from ckpt_testutil import DelegatingStorage, DelegatingWriteHandle
 
 import ckpt
 from ckptd.errors import StorageError
-from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
+from ckptd.storage.base import Piece, Storage, WriteHandle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,63 +44,24 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
-class FailingWrites(Storage):
-    """Delegates to a real storage; shard writes of the steps in `fail_steps` fail with EIO."""
+class FailingWrites(DelegatingStorage):
+    """Shard writes of the steps in `fail_steps` fail with EIO."""
 
     def __init__(self, inner: Storage, fail_steps: set[int]):
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.fail_steps = fail_steps
 
-    def open_write(
-        self, path: str, size: int, *, preallocate: bool = False, reuse: str | None = None
-    ) -> WriteHandle:
-        handle = self.inner.open_write(path, size, preallocate=preallocate, reuse=reuse)
-        outer = self
+    def open_write(self, path: str, size: int, **kw: Any) -> WriteHandle:
+        handle = super().open_write(path, size, **kw)
+        failing = any(path.startswith(f"step-{s:012d}/") for s in self.fail_steps)
 
-        class Handle(WriteHandle):
-            def __init__(self) -> None:
-                self.path, self.size = handle.path, handle.size
-
+        class Handle(DelegatingWriteHandle):
             def write(self, offset: int, length: int, pieces: Sequence[Piece]) -> None:
-                if any(path.startswith(f"step-{s:012d}/") for s in outer.fail_steps):
+                if failing:
                     raise StorageError(errno.EIO, f"injected EIO writing {path} at {offset}")
-                handle.write(offset, length, pieces)
+                super().write(offset, length, pieces)
 
-            def finish(self) -> None:
-                handle.finish()
-
-            def abort(self) -> None:
-                handle.abort()
-
-        return Handle()
-
-    def open_read(self, path: str, *, cold: bool = False) -> ReadHandle:
-        return self.inner.open_read(path, cold=cold)
-
-    def makedirs(self, path: str) -> None:
-        self.inner.makedirs(path)
-
-    def write_atomic(self, path: str, data: bytes) -> None:
-        self.inner.write_atomic(path, data)
-
-    def read_bytes(self, path: str, *, limit: int) -> bytes:
-        return self.inner.read_bytes(path, limit=limit)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def listdir(self, path: str) -> list[str]:
-        return self.inner.listdir(path)
-
-    def remove_tree(self, path: str) -> None:
-        self.inner.remove_tree(path)
-
-    def rename(self, src: str, dst: str) -> None:
-        self.inner.rename(src, dst)
+        return Handle(handle)
 
 
 def test_save_returns_after_staging_and_saves_the_state_at_the_call(tmp_path: Any) -> None:

@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import torch
 from ckpt_testutil import (
+    DelegatingStorage,
+    DelegatingWriteHandle,
     assert_same,
     edit_manifest,
     index_entries,
@@ -36,7 +38,7 @@ import ckpt._api
 from ckptd import errors, knobs
 from ckptd.format import layout, recycle
 from ckptd.storage import open_storage
-from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
+from ckptd.storage.base import Piece, Storage, WriteHandle
 
 
 def state_for(step: int, n: int = 64) -> dict[str, Any]:
@@ -278,12 +280,10 @@ class Fault(Exception):
     pass
 
 
-class FaultyWriteHandle(WriteHandle):
+class FaultyWriteHandle(DelegatingWriteHandle):
     def __init__(self, inner: WriteHandle, owner: FaultyStorage):
-        self.inner = inner
+        super().__init__(inner)
         self.owner = owner
-        self.path = inner.path
-        self.size = inner.size
 
     def write(self, offset: int, length: int, pieces: Sequence[Piece]) -> None:
         o = self.owner
@@ -310,12 +310,11 @@ class FaultyWriteHandle(WriteHandle):
         self.inner.abort()
 
 
-class FaultyStorage(Storage):
+class FaultyStorage(DelegatingStorage):
     def __init__(self, inner: Storage, **faults: Any):
         import threading
 
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.lock = threading.Lock()
         self.writes = 0
         self.aborted = 0
@@ -325,37 +324,13 @@ class FaultyStorage(Storage):
         self.fail_atomic: str | None = faults.pop("fail_atomic", None)  # suffix of the path
         assert not faults, faults
 
-    def makedirs(self, path: str) -> None:
-        self.inner.makedirs(path)
-
     def open_write(self, path: str, size: int, **kw: Any) -> WriteHandle:
         return FaultyWriteHandle(self.inner.open_write(path, size, **kw), self)
-
-    def open_read(self, path: str, *, cold: bool = False) -> ReadHandle:
-        return self.inner.open_read(path, cold=cold)
 
     def write_atomic(self, path: str, data: bytes) -> None:
         if self.fail_atomic is not None and path.endswith(self.fail_atomic):
             raise ckpt.StorageError(28, f"injected ENOSPC writing {path}")
         self.inner.write_atomic(path, data)
-
-    def read_bytes(self, path: str, *, limit: int) -> bytes:
-        return self.inner.read_bytes(path, limit=limit)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def listdir(self, path: str) -> list[str]:
-        return self.inner.listdir(path)
-
-    def remove_tree(self, path: str) -> None:
-        self.inner.remove_tree(path)
-
-    def rename(self, src: str, dst: str) -> None:
-        self.inner.rename(src, dst)
 
     def __getattr__(self, name: str) -> Any:  # anything the seam grows later
         return getattr(self.inner, name)

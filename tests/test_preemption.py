@@ -21,13 +21,14 @@ from typing import Any
 
 import pytest
 import torch
+from ckpt_testutil import DelegatingStorage, DelegatingWriteHandle
 from coordinator_fixtures import TESTS, child_env, free_port, wait_for
 
 import ckpt
 from ckpt import _hooks
 from ckptd.format import checkpoint as ckfmt
 from ckptd.storage import open_storage
-from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
+from ckptd.storage.base import Piece, Storage, WriteHandle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,63 +43,24 @@ def state_at(step: int) -> dict[str, Any]:
     return {"w": torch.full((128, 128), float(step)), "step": step}
 
 
-class GatedWrites(Storage):
+class GatedWrites(DelegatingStorage):
     """A real storage whose shard writes wait until `gate` is set (a save held in flight)."""
 
     def __init__(self, inner: Storage):
-        self.inner, self.url = inner, inner.url
+        super().__init__(inner)
         self.gate = threading.Event()
         self.writing = threading.Event()
 
-    def open_write(
-        self, path: str, size: int, *, preallocate: bool = False, reuse: str | None = None
-    ) -> WriteHandle:
-        handle = self.inner.open_write(path, size, preallocate=preallocate, reuse=reuse)
+    def open_write(self, path: str, size: int, **kw: Any) -> WriteHandle:
         outer = self
 
-        class Handle(WriteHandle):
-            def __init__(self) -> None:
-                self.path, self.size = handle.path, handle.size
-
+        class Handle(DelegatingWriteHandle):
             def write(self, offset: int, length: int, pieces: Sequence[Piece]) -> None:
                 outer.writing.set()
                 assert outer.gate.wait(60), "the test never opened the gate"
-                handle.write(offset, length, pieces)
+                super().write(offset, length, pieces)
 
-            def finish(self) -> None:
-                handle.finish()
-
-            def abort(self) -> None:
-                handle.abort()
-
-        return Handle()
-
-    def open_read(self, path: str, *, cold: bool = False) -> ReadHandle:
-        return self.inner.open_read(path, cold=cold)
-
-    def makedirs(self, path: str) -> None:
-        self.inner.makedirs(path)
-
-    def write_atomic(self, path: str, data: bytes) -> None:
-        self.inner.write_atomic(path, data)
-
-    def read_bytes(self, path: str, *, limit: int) -> bytes:
-        return self.inner.read_bytes(path, limit=limit)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def listdir(self, path: str) -> list[str]:
-        return self.inner.listdir(path)
-
-    def remove_tree(self, path: str) -> None:
-        self.inner.remove_tree(path)
-
-    def rename(self, src: str, dst: str) -> None:
-        self.inner.rename(src, dst)
+        return Handle(super().open_write(path, size, **kw))
 
 
 # ------------------------------------------------------------------------ in this process
