@@ -254,3 +254,57 @@ def write_results(name: str, data: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{name}-{stamp}.json"
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     return path
+
+
+def ratio_verdicts(rows: list[tuple[str, float, float, float | None]]) -> list[dict[str, Any]]:
+    """(name, numerator GB/s, denominator GB/s, target) -> ratio rows with PASS/FAIL."""
+    out = []
+    for name, num, den, target in rows:
+        r = num / den if den == den and den else float("nan")
+        if r != r:
+            verdict = "n/a"  # a method was filtered out or failed
+        else:
+            verdict = "info" if target is None else ("PASS" if r >= target else "FAIL")
+        out.append(
+            {
+                "ratio": name,
+                "value": r,
+                "num_gbps": num,
+                "den_gbps": den,
+                "target": target,
+                "verdict": verdict,
+            }
+        )
+    return out
+
+
+def print_tables(
+    registry: list[tuple[str, str, Any]],
+    times: dict[str, list[float]],
+    stats: dict[str, dict[str, float]],
+    ratios: list[dict[str, Any]],
+    errors: dict[str, list[str]],
+    reps: int,
+) -> None:
+    """The per-method table (grouped as registered), the ratios, and the first errors."""
+    width = max(len(n) for _, n, _ in registry) + 2
+    print(f"{'method':<{width}} {'med GB/s':>9} {'min-max GB/s':>14} {'med s':>8}  ok")
+    group = None
+    for g, n, _ in registry:
+        if g != group:
+            print(f"-- {g}")
+            group = g
+        s = stats.get(n)
+        ok = f"{len(times.get(n, []))}/{reps}"
+        if s is None:
+            print(f"{n:<{width}} {'ERROR':>9} {'':>14} {'':>8}  {ok}")
+            continue
+        spread = f"{s['min_gbps']:.2f}-{s['max_gbps']:.2f}"
+        print(f"{n:<{width}} {s['median_gbps']:9.2f} {spread:>14} {s['median_s']:8.3f}  {ok}")
+    print("\nratios (of medians; target in brackets)")
+    rw = max((len(r["ratio"]) for r in ratios), default=0) + 2
+    for r in ratios:
+        tgt = "" if r["target"] is None else f">= {r['target']}"
+        print(f"  {r['ratio']:<{rw}} {r['value']:6.2f}  [{tgt:>7}] {r['verdict']}")
+    for n, errs in errors.items():
+        print(f"ERRORS in {n}: {errs[0].strip().splitlines()[-1]}")

@@ -561,53 +561,17 @@ def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
         ("ckpt load / DCP load", load, dcp_load, 1.5),
         ("ckptctl verify full / min(cold read, blake3 2 thr)", ver, verify_floor, 0.8),
     ]
-    out = []
-    for name, num, den, target in rows:
-        r = num / den if den == den and den else nan
-        if r != r:
-            verdict = "n/a"  # a method was filtered out or failed
-        else:
-            verdict = "info" if target is None else ("PASS" if r >= target else "FAIL")
-        out.append(
-            {
-                "ratio": name,
-                "value": r,
-                "num_gbps": num,
-                "den_gbps": den,
-                "target": target,
-                "verdict": verdict,
-            }
-        )
-    return out
+    return C.ratio_verdicts(rows)
 
 
 def report(b: Bench, times: dict[str, list[float]], errors: dict[str, list[str]], args) -> None:
     stats = {n: C.summarize(ts, b.nbytes) for n, ts in times.items() if ts}
-    width = max(len(n) for _, n, _ in REGISTRY) + 2
     print(
         f"\nstate: {b.desc['tensors']} tensors, {b.nbytes / C.GB:.3f} GB; GB = 1e9 bytes; "
         f"{args.reps} reps, methods interleaved"
     )
-    print(f"{'method':<{width}} {'med GB/s':>9} {'min-max GB/s':>14} {'med s':>8}  ok")
-    group = None
-    for g, n, _ in REGISTRY:
-        if g != group:
-            print(f"-- {g}")
-            group = g
-        s = stats.get(n)
-        ok = f"{len(times.get(n, []))}/{args.reps}"
-        if s is None:
-            print(f"{n:<{width}} {'ERROR':>9} {'':>14} {'':>8}  {ok}")
-            continue
-        spread = f"{s['min_gbps']:.2f}-{s['max_gbps']:.2f}"
-        print(f"{n:<{width}} {s['median_gbps']:9.2f} {spread:>14} {s['median_s']:8.3f}  {ok}")
     rs = ratios({n: s["median_gbps"] for n, s in stats.items()})
-    print("\nratios (of medians; target in brackets)")
-    for r in rs:
-        tgt = "" if r["target"] is None else f">= {r['target']}"
-        print(f"  {r['ratio']:<58} {r['value']:6.2f}  [{tgt:>7}] {r['verdict']}")
-    for n, errs in errors.items():
-        print(f"ERRORS in {n}: {errs[0].strip().splitlines()[-1]}")
+    C.print_tables(REGISTRY, times, stats, rs, errors, args.reps)
     import ckptd.knobs
 
     result = {
