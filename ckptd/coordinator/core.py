@@ -39,7 +39,7 @@ from ckptd.errors import (
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout, recycle, values
-from ckptd.format.manifest import Manifest, ShardInfo, parse_index
+from ckptd.format.manifest import Manifest, ShardInfo, load_json, parse_index
 from ckptd.storage import Storage, open_storage
 
 log = logging.getLogger("ckptd.coordinator")
@@ -524,7 +524,9 @@ class Coordinator:
                 f"{st.url}/{sdir}/{report.index_path} does not match the reported size/blake3"
             )
         assert s.assignment is not None
-        block_size = _index_block_size(data)
+        where = f"{st.url}/{sdir}/{report.index_path}"
+        doc = load_json(data, where)  # parsed once: the block size first, then the index
+        block_size = _index_block_size(doc)
         s.block_sizes[rank] = block_size
         draft = Manifest(
             job=s.job,
@@ -545,11 +547,7 @@ class Coordinator:
             report.index_blake3,
         )
         index = parse_index(
-            data,
-            manifest=draft,
-            shard=shard,
-            max_entries=10**7,
-            what=f"{st.url}/{sdir}/{report.index_path}",
+            None, manifest=draft, shard=shard, max_entries=10**7, what=where, doc=doc
         )
         planned = s.chunks[rank]
         want = {
@@ -1001,20 +999,20 @@ def _find_jobs(root: str, max_depth: int = 6) -> list[str]:
     return sorted(jobs)
 
 
-def _index_block_size(data: bytes) -> int:
+def _index_block_size(doc: Any) -> int:
     try:
-        doc = json.loads(data)
-        b = int(doc["block_size"])
+        return int(doc["block_size"])
     except (ValueError, KeyError, TypeError):
-        raise CkptError("shard index is not valid JSON with a block_size") from None
-    return b
+        raise CkptError("shard index is not a JSON object with a block_size") from None
 
 
 def _shard_block_size(st: Storage, step: int, shards: list[ShardInfo]) -> int:
     sizes = set()
     for sh in shards:
         data = st.read_bytes(f"{layout.step_dir(step)}/{sh.index}", limit=sh.index_size)
-        sizes.add(_index_block_size(data))
+        sizes.add(
+            _index_block_size(load_json(data, f"{st.url}/{layout.step_dir(step)}/{sh.index}"))
+        )
     if len(sizes) != 1:
         raise CkptError(
             f"step {step}: ranks used different hash block sizes {sorted(sizes)}; set CKPT_BLOCK_SIZE equally on every rank"

@@ -279,11 +279,29 @@ def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:
     )
 
 
+def load_json(data: bytes, what: str) -> Any:
+    """Strict JSON (no NaN/Infinity), errors as InvalidManifest naming `what`."""
+    return _loads(data, what)
+
+
 def parse_index(
-    data: bytes, *, manifest: Manifest, shard: ShardInfo, max_entries: int, what: str
+    data: bytes | None,
+    *,
+    manifest: Manifest,
+    shard: ShardInfo,
+    max_entries: int,
+    what: str,
+    doc: Any = None,
 ) -> ShardIndex:
-    """Parse and cross-check one shard index against its manifest entry."""
-    doc = _check_header(_loads(data, what), INDEX_FORMAT_NAME, what)
+    """Parse and cross-check one shard index against its manifest entry.
+
+    doc: the index already decoded with load_json (a caller that needed a field first),
+    so the bytes are not parsed twice.
+    """
+    if doc is None:
+        assert data is not None
+        doc = _loads(data, what)
+    doc = _check_header(doc, INDEX_FORMAT_NAME, what)
     checks = {
         "step": manifest.step,
         "rank": shard.rank,
