@@ -81,3 +81,11 @@ def ckptctl() -> CkptctlRunner:
         return rc, out.getvalue(), err.getvalue()
 
     return run
+
+
+@pytest.fixture
+def tally(request: pytest.FixtureRequest):  # noqa: ANN201 - tests/tally.py's Tally
+    """Counts injected faults and bad inputs for bench/reliability_report.py."""
+    from tally import Tally
+
+    return Tally(request.node.nodeid)
