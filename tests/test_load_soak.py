@@ -1,0 +1,129 @@
+"""The load soak (bench/load_soak.py) as a test: simulated ranks saving repeatedly against a
+real `ckptd serve`, some killed mid-save; nothing lost, nothing wrongly committed, RSS flat.
+
+The default run is small (64 ranks, a few seconds, a 2 s lease so kill rounds end fast);
+the 4,096-rank run is marked slow. Both record their figures for the reliability report.
+A third test feeds the audit rounds that went wrong, to show it can fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+load_soak = pytest.importorskip("load_soak")
+
+
+def soak(tmp_path: Path, tally: Any, *argv: str) -> dict[str, Any]:
+    args = load_soak.parse_args([*argv, "--dir", str(tmp_path), "--no-results"])
+    res = asyncio.run(load_soak.run(args, tmp_path))
+    f = res["figures"]
+    tally.load(
+        "coordinator-load",
+        ranks=f["ranks"],
+        seconds=f["seconds"],
+        saves=f["saves"],
+        aborted=f["aborted"],
+        killed_ranks=f["killed_ranks"],
+        rpcs=f["rpcs"],
+        rpcs_per_s=round(f["rpcs_per_s"], 1),
+        p99_ms=round(f["p99_ms"], 1),
+        lost=f["lost"],
+        wrongly_committed=f["wrongly_committed"],
+        unexpected_aborts=f["unexpected_aborts"],
+        rss_mib_first=round(f["rss_mib_first"], 1),
+        rss_mib_last=round(f["rss_mib_last"], 1),
+    )
+    return res
+
+
+def check(res: dict[str, Any], min_saves: int, min_aborted: int) -> None:
+    f = res["figures"]
+    assert res["problems"] == {}, res["problems"]
+    assert f["lost"] == 0 and f["wrongly_committed"] == 0 and f["unexpected_aborts"] == 0
+    assert f["saves"] >= min_saves, f
+    assert f["aborted"] >= min_aborted and f["aborted"] == f["kill_rounds"], f
+    assert f["reports_ok"] >= f["saves"] * f["ranks"], f
+    assert f["rss_flat"], f
+    # Every kill round left a zombie whose late report was refused or answered ABORTED.
+    assert sum(res["zombies"].values()) == f["kill_rounds"], res["zombies"]
+    assert res["final_audit"]["full_verify_newest"]["ok"], res["final_audit"]
+
+
+def test_load_soak_small(tmp_path: Path, tally: Any) -> None:
+    res = soak(
+        tmp_path,
+        tally,
+        *("--ranks", "64", "--seconds", "4", "--min-rounds", "6", "--max-rounds", "9"),
+        *("--lease", "2", "--kill-every", "3", "--kills", "3", "--warmup-rounds", "2"),
+    )
+    check(res, min_saves=4, min_aborted=2)
+    # Both ways of carrying on after a kill: restarted (stale late report) and in place.
+    assert set(res["zombies"]) == {"refused (stale generation)", "answered ABORTED"}
+
+
+@pytest.mark.slow
+def test_load_soak_4096_ranks(tmp_path: Path, tally: Any) -> None:
+    res = soak(tmp_path, tally, "--ranks", "4096", "--seconds", "120", "--lease", "30")
+    check(res, min_saves=2, min_aborted=1)
+
+
+# -- the audit can fail ----------------------------------------------------------------------
+def _auditor(tmp_path: Path, reports: list[Any]) -> Any:
+    from ckptd.storage import open_storage
+
+    return SimpleNamespace(
+        storage=open_storage(str(tmp_path), create=True),
+        reports=reports,
+        problems=defaultdict(list),
+        n=4,
+    )
+
+
+def _record(status: int, reason: str = "") -> Any:
+    from ckptd.v1 import coordinator_pb2 as pb
+
+    return pb.CheckpointInfo(step=1, status=status, reason=reason)
+
+
+def test_audit_flags_what_went_wrong(tmp_path: Path) -> None:
+    from ckptd.v1 import coordinator_pb2 as pb
+
+    lease = "rank(s) 2, 3 silent for over 2s (lease expired; the process died or hung)"
+    report = load_soak.Report(1, 0, 0, "shards/rank-00000.bin", 4096, "ab" * 32)
+    cases = [
+        # (victims, catalog record, outcome told to ranks, problem expected)
+        ({2: "after_begin"}, _record(pb.COMMITTED), "COMMITTED", "wrongly committed"),
+        ({2: "after_begin"}, _record(pb.ABORTED, "disk full"), "ABORTED", "lost"),
+        ({2: "after_begin"}, _record(pb.ABORTED, lease), "ABORTED", "unexpected aborts"),
+        ({}, _record(pb.ABORTED, lease), "ABORTED", "unexpected aborts"),
+        ({}, None, "COMMITTED", "lost"),
+        # Committed in the catalog but no manifest in storage.
+        ({}, _record(pb.COMMITTED), "COMMITTED", "wrongly committed"),
+    ]
+    for victims, rec, outcome, problem in cases:
+        a = _auditor(tmp_path, [report])
+        rnd = load_soak.Round(1, 0, victims, outcome=outcome)
+        load_soak.Soak._audit_round(a, rnd, rec)
+        assert problem in a.problems, (victims, rec, dict(a.problems))
+    # The right outcome of a kill round is no problem at all.
+    a = _auditor(tmp_path, [report])
+    rnd = load_soak.Round(1, 0, {2: "after_begin", 3: "mid_write"}, outcome="ABORTED")
+    load_soak.Soak._audit_round(a, rnd, _record(pb.ABORTED, lease))
+    assert a.problems == {}
+
+
+def test_lease_reason_parsing() -> None:
+    parse = load_soak._lease_expired_ranks
+    assert parse("rank(s) 7 silent for over 30s (lease expired; the process died or hung)") == {7}
+    many = "rank(s) 1, 2 (+30 more) silent for over 2s (lease expired; the process died or hung)"
+    assert parse(many) == {1, 2}
+    assert parse("superseded by generation 3 (the job restarted)") is None
