@@ -127,3 +127,26 @@ def test_lease_reason_parsing() -> None:
     many = "rank(s) 1, 2 (+30 more) silent for over 2s (lease expired; the process died or hung)"
     assert parse(many) == {1, 2}
     assert parse("superseded by generation 3 (the job restarted)") is None
+
+
+# -- what keeps the coordinator's memory flat ------------------------------------------------
+def test_finished_sessions_are_bounded_by_ranks(tmp_path: Path) -> None:
+    """The coordinator keeps recently ended saves to answer retries; at 4,096 ranks each
+    holds megabytes (every rank's report, the merged state), so the bound counts ranks,
+    not saves. Evicted saves are answered from the catalog."""
+    from ckptd.coordinator import core
+    from ckptd.coordinator.catalog import Catalog
+
+    async def go() -> core.Coordinator:
+        c = core.Coordinator(str(tmp_path), Catalog(str(tmp_path / "catalog.sqlite")))
+        for step in range(1, 41):
+            s = core.Session("job", step, 0, 4096, 0)
+            c.sessions[("job", step)] = s
+            c._finish(s)
+        return c
+
+    c = asyncio.run(go())
+    held = [s.world_size for s in c.finished.values()]
+    assert sum(held) <= core.MAX_FINISHED_RANKS and len(held) >= 2
+    assert ("job", 40, 0) in c.finished  # the newest is kept
+    c.catalog.close()

@@ -48,6 +48,9 @@ OPEN, COMMITTING, COMMITTED, ABORTED = "OPEN", "COMMITTING", "COMMITTED", "ABORT
 QUARANTINED = "QUARANTINED"  # committed, then failed verification when loaded
 MAX_PLAN_CHUNKS_PER_PART = 20_000
 MAX_WORLD_SIZE = layout.MAX_RANK + 1
+# Ended saves kept in memory to answer retries whose first reply was lost.
+MAX_FINISHED_SAVES = 256
+MAX_FINISHED_RANKS = 32_768
 
 
 @dataclasses.dataclass(frozen=True)
@@ -766,7 +769,12 @@ class Coordinator:
         self.finished[(s.job, s.step, s.generation)] = s
         s.plans.clear()  # plans can be large; the answers (reports, status) are kept
         s.chunks.clear()
-        while len(self.finished) > 256:
+        # An ended save of 4,096 ranks still holds ~4 MiB (every rank's report, the merged
+        # state), so the bound counts ranks too; an evicted save is answered from the catalog.
+        while len(self.finished) > MAX_FINISHED_SAVES or (
+            len(self.finished) > 1
+            and sum(x.world_size for x in self.finished.values()) > MAX_FINISHED_RANKS
+        ):
             self.finished.popitem(last=False)
 
     def _remove_generation_files(
