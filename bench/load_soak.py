@@ -30,6 +30,8 @@ Audit, after every round and at the end:
   unexpected aborts   a round without kills that did not commit, or an abort naming a rank
                       that was alive (a false lease expiry: the coordinator fell behind)
   RPC errors          any error answer other than the zombie's expected refusal
+A live rank still writing when a kill round's lease expires finds its files removed by the
+abort; that is right only in a kill round and only if KeepAlive then says ABORTED.
 Figures: saves committed / aborted, RPCs by kind, p50/p99 latency per kind (client-side,
 so they include this process's own event-loop delays; BeginSave includes the barrier wait
 for the slowest rank, AwaitCommit the commit or, in kill rounds, the lease expiry), RPC/s
@@ -60,6 +62,7 @@ import _common as C
 import coordinator_scale as cs
 import grpc
 
+from ckptd.errors import CkptError
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
 from ckptd.storage import open_storage
@@ -124,6 +127,7 @@ class Soak:
         self.rounds: list[Round] = []
         self.problems: dict[str, list[str]] = defaultdict(list)  # kind -> what went wrong
         self.zombies: Counter[str] = Counter()
+        self.cut_writes: Counter[str] = Counter()  # writes that failed under an abort
 
     def stub(self, rank: int) -> pb_grpc.CoordinatorStub:
         return self.stubs[rank % len(self.stubs)]
@@ -195,9 +199,19 @@ class Soak:
         try:
             items = [plan.items[i] for i in begun.write]
             digests = [plan.digests[i] for i in begun.write]
-            info = await loop.run_in_executor(
-                self.pool, self.write, step, r, rnd.generation, items, digests
-            )
+            try:
+                info = await loop.run_in_executor(
+                    self.pool, self.write, step, r, rnd.generation, items, digests
+                )
+            except CkptError as e:
+                # The lease of a dead rank expired while this one was still writing: the
+                # coordinator removed the save's files under it. Only right in a kill round,
+                # and only if the coordinator says the save is ABORTED.
+                st = await self.rpc("KeepAlive", stub.KeepAlive, pb.KeepAliveRequest(ref=ref))
+                self.cut_writes[STATUS.get(st.status, pb.Status.Name(st.status))] += 1
+                if not rnd.victims or st.status != pb.ABORTED:
+                    self.problems["rank errors"].append(f"step {step} rank {r}: write: {e}")
+                return STATUS.get(st.status, pb.Status.Name(st.status)), st.reason
             report = pb.ReportShardRequest(
                 ref=ref,
                 shard_path=info.path,
@@ -524,6 +538,7 @@ def summarize(
         "latency": lat,
         "rounds": [dataclasses.asdict(r) for r in rounds],
         "zombies": dict(soak.zombies),
+        "writes_cut_by_abort": dict(soak.cut_writes),
         "errors": dict(soak.errors),
         "error_samples": soak.error_samples,
         "problems": {k: v[:20] for k, v in soak.problems.items()},
@@ -548,7 +563,7 @@ def print_report(res: dict[str, Any]) -> None:
         f" {f['rss_mib_peak_after_warmup']:.0f}, last {f['rss_mib_last']:.0f}"
         f" ({'flat' if f['rss_flat'] else 'GROWING'})"
     )
-    print(f"zombie reports: {res['zombies']}")
+    print(f"zombie reports: {res['zombies']}; writes cut by an abort: {res['writes_cut_by_abort']}")
     print(
         f"lost {f['lost']}, wrongly committed {f['wrongly_committed']}, unexpected aborts "
         f"{f['unexpected_aborts']}, RPC errors {f['rpc_errors']}"
