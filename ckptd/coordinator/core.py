@@ -463,11 +463,20 @@ class Coordinator:
             )
             raise
         ended = self._ended(ref, job)
+        if ended is None:
+            s = self._session(ref, job)
+            if s.status == ABORTED:
+                ended = StatusResult(ABORTED, s.reason)
         if ended is not None:
+            if ended.status == ABORTED:
+                # A rank that finished writing after the abort removed the save's files
+                # (a slow rank while another's lease expired): its files are debris now.
+                self._spawn(
+                    asyncio.to_thread(
+                        self._remove_rank_files, job, ref.step, ref.generation, ref.rank
+                    )
+                )
             return ended
-        s = self._session(ref, job)
-        if s.status == ABORTED:
-            return StatusResult(ABORTED, s.reason)
         if s.assignment is None:
             raise InvalidRequest(
                 f"job {job!r} step {ref.step} rank {ref.rank}: ReportShard before the plan was made"
