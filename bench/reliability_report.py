@@ -20,6 +20,7 @@ import datetime
 import glob
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -199,7 +200,7 @@ def run_pytest(files: list[str], args: argparse.Namespace, work: Path) -> dict[s
     if args.slow:
         cmd += ["-m", ""]  # every marker, the slow ones included
     cmd += args.pytest_args
-    print("$ " + " ".join(cmd), flush=True)
+    print("$ " + shlex.join(cmd), flush=True)
     t0 = time.perf_counter()
     rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
     wall = time.perf_counter() - t0
