@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckptd import knobs
+from ckptd.coordinator import observer as obs
 from ckptd.coordinator import planning
 from ckptd.coordinator.catalog import Catalog, SaveRecord, now
 from ckptd.errors import (
@@ -67,6 +68,12 @@ class ShardReport:
     index_size: int
     index_blake3: str
     verify: str = "full"
+    # The rank's own timings (for metrics); not part of the report's identity, so a retried
+    # report still matches.
+    staging_s: float = dataclasses.field(default=0.0, compare=False)
+    persist_s: float = dataclasses.field(default=0.0, compare=False)
+    write_s: float = dataclasses.field(default=0.0, compare=False)
+    verify_s: float = dataclasses.field(default=0.0, compare=False)
 
 
 @dataclasses.dataclass
@@ -123,6 +130,7 @@ class Session:
         self.state: Any = None  # merged state tree, once planned
         self.block_sizes: dict[int, int] = {}  # from each reported index
         self.metadata: dict[str, Any] = {}
+        self.all_reported = 0.0  # monotonic time of the last shard's report
 
     def fail(self, reason: str, kind: type[CkptError] = SaveAborted) -> None:
         self.status, self.reason = ABORTED, reason
@@ -150,6 +158,7 @@ class Coordinator:
         self.lease_s = lease_s
         self.barrier_timeout_s = barrier_timeout_s
         self._storage_factory = storage_factory or (lambda p: open_storage(p, create=True))
+        self.observer: obs.SaveObserver = obs.SaveObserver()  # metrics plug in here
         self._storages: dict[str, Storage] = {}
         self.sessions: dict[tuple[str, int], Session] = {}
         self._watchdog: asyncio.Task[None] | None = None
@@ -408,7 +417,7 @@ class Coordinator:
             state = planning.merge_states({r: p.state for r, p in s.plans.items()})
             metadata = s.plans[0].metadata if 0 in s.plans else {}
         except CkptError as e:
-            await self._abort(s, str(e), kind=type(e))
+            await self._abort(s, str(e), kind=type(e), outcome=obs.FAILED)
             return
         draft = json.dumps({"state": state, "metadata": metadata, "chunks": _chunks_json(s.chunks)})
         await self.catalog.write(
@@ -495,7 +504,8 @@ class Coordinator:
         try:
             await asyncio.to_thread(self._check_report, s, ref.rank, report)
         except CkptError as e:
-            await self._abort(s, f"rank {ref.rank}: {e}")
+            self.observer.verification_failed(job, ref.step, "report", f"rank {ref.rank}: {e}")
+            await self._abort(s, f"rank {ref.rank}: {e}", outcome=obs.FAILED)
             return StatusResult(ABORTED, s.reason)
         await self.catalog.write(
             "INSERT OR REPLACE INTO reports (job, step, generation, rank, report) VALUES (?, ?, ?, ?, ?)",
@@ -504,8 +514,10 @@ class Coordinator:
         if s.status != OPEN:  # aborted while we checked
             return StatusResult(s.status, s.reason)
         s.reports[ref.rank] = report
+        self.observer.shard_reported(job, ref.step, ref.rank, report)
         if len(s.reports) == s.world_size and s.commit_task is None:
             s.status = COMMITTING
+            s.all_reported = time.monotonic()
             s.commit_task = asyncio.get_running_loop().create_task(self._commit(s))
         return StatusResult(s.status, s.reason, s.manifest_blake3)
 
@@ -605,11 +617,8 @@ class Coordinator:
                 (COMMITTING, s.job, s.step, s.generation),
             )
             data = await asyncio.to_thread(ckfmt.commit, st, m)
-        except CkptError as e:
-            await self._abort(s, f"commit failed: {e}")
-            return
-        except OSError as e:
-            await self._abort(s, f"commit failed: {e}")
+        except (CkptError, OSError) as e:
+            await self._abort(s, f"commit failed: {e}", outcome=obs.FAILED)
             return
         crash_point("coordinator.after_manifest_rename")
         digest = hashing.digest(data)
@@ -630,6 +639,9 @@ class Coordinator:
             s.done.set_result(StatusResult(COMMITTED, "", digest))
         log.info(
             "committed job %s step %d (%d ranks, %.2f GB)", s.job, s.step, s.world_size, total / 1e9
+        )
+        self.observer.save_ended(
+            s.job, s.step, obs.COMMITTED, bytes=total, commit_s=time.monotonic() - s.all_reported
         )
         self._finish(s)
         if s.keep_last:
@@ -708,6 +720,7 @@ class Coordinator:
             await asyncio.to_thread(ckfmt.quarantine, st, step, reason)
         if rec.status != QUARANTINED:
             log.warning("job %s step %d quarantined: %s", name, step, reason)
+            self.observer.verification_failed(name, step, "load", reason)
             await self.catalog.write(
                 "UPDATE saves SET status=?, reason=? WHERE job=? AND step=?",
                 (QUARANTINED, reason, name, step),
@@ -738,9 +751,16 @@ class Coordinator:
                         s, f"superseded by generation {generation} (the job restarted)"
                     )
 
-    async def _abort(self, s: Session, reason: str, kind: type[CkptError] = SaveAborted) -> None:
+    async def _abort(
+        self,
+        s: Session,
+        reason: str,
+        kind: type[CkptError] = SaveAborted,
+        outcome: str = obs.ABORTED,
+    ) -> None:
         if s.status in (COMMITTED, ABORTED):
             return
+        self.observer.save_ended(s.job, s.step, outcome)
         log.warning(
             "aborting job %s step %d generation %d: %s", s.job, s.step, s.generation, reason
         )

@@ -103,5 +103,14 @@ def record_to_pb(r: SaveRecord) -> pb.CheckpointInfo:
 
 def report_from_pb(req: pb.ReportShardRequest) -> core.ShardReport:
     return core.ShardReport(
-        req.shard_path, req.size, req.index_path, req.index_size, req.index_blake3, req.verify
+        req.shard_path,
+        req.size,
+        req.index_path,
+        req.index_size,
+        req.index_blake3,
+        req.verify,
+        staging_s=req.staging_s,
+        persist_s=req.persist_s,
+        write_s=req.write_s,
+        verify_s=req.verify_s,
     )

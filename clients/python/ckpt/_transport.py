@@ -153,6 +153,10 @@ class CoordinatorClient:
             index_size=report.index_size,
             index_blake3=report.index_blake3,
             verify=report.verify,
+            staging_s=report.staging_s,
+            persist_s=report.persist_s,
+            write_s=report.write_s,
+            verify_s=report.verify_s,
         )
         return cv.status_from_pb(self._call(_what(ref), self._stub.ReportShard, req, timeout_s=120))
 
