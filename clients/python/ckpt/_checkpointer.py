@@ -14,6 +14,7 @@ group's key-value store is used once, at start, to find a zero-config coordinato
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckpt import _hooks, _resume, _world
-from ckpt._api import LoadResult, SaveResult, _check_metadata
+from ckpt._api import LoadResult, SaveResult, _check_metadata, log_saved
 from ckpt._embedded import EmbeddedCoordinator
 from ckpt._flatten import flatten
 from ckpt._pending import PendingSave
@@ -314,7 +315,7 @@ class Checkpointer:
         """The background part of a save; records the outcome in `pending`, never raises."""
         t0 = time.perf_counter()
         try:
-            result = self._persist_steps(job, pending)
+            result = self._persist_steps(job, pending, t0)
         except BaseException as e:  # handed to the training loop through the PendingSave
             pending.timings.persist_s = time.perf_counter() - t0
             pending._finish(None, e)
@@ -322,9 +323,18 @@ class Checkpointer:
                 log.warning("job %s step %d failed: %s", self.path, job.step, e)
             return
         pending.timings.persist_s = time.perf_counter() - t0 - pending.timings.commit_s
+        t = pending.timings
+        result = dataclasses.replace(
+            result,
+            staging_s=t.staging_s,
+            persist_s=t.persist_s,
+            commit_s=t.commit_s,
+            blocking_s=t.blocking_s,
+        )
+        log_saved(result, f"job {self.path!r} step {job.step} rank {self.rank}/{self.world_size}")
         pending._finish(result, None)
 
-    def _persist_steps(self, job: _SaveJob, pending: PendingSave) -> SaveResult:
+    def _persist_steps(self, job: _SaveJob, pending: PendingSave, t0: float) -> SaveResult:
         step, items = job.step, job.items
         ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
         where = f"job {self.path!r} step {step} rank {self.rank}/{self.world_size}"
@@ -366,6 +376,14 @@ class Checkpointer:
             raise
         for w in begun.warnings:
             log.warning("%s: %s", where, w)
+        log.debug(
+            "%s: planned %d chunk(s), writes %d (%s) after %.3f s at the barrier",
+            where,
+            len(plan),
+            len(begun.write),
+            begun.shard_path,
+            time.perf_counter() - t_begin,
+        )
         stop = threading.Event()
         pinger = threading.Thread(
             target=self._keep_alive, args=(ref, begun.lease_s, stop), daemon=True
@@ -375,7 +393,25 @@ class Checkpointer:
         try:
             info = self._write(job, begun.write, digests, stats)
             report = ShardReport(
-                info.path, info.size, info.index, info.index_size, info.index_blake3, self.verify
+                info.path,
+                info.size,
+                info.index,
+                info.index_size,
+                info.index_blake3,
+                self.verify,
+                staging_s=pending.timings.staging_s,
+                persist_s=time.perf_counter() - t0,
+                write_s=stats.write_s,
+                verify_s=stats.verify_s,
+            )
+            log.debug(
+                "%s: shard %s written (%d bytes): write %.3f s, verify %.3f s (%s)",
+                where,
+                info.path,
+                info.size,
+                stats.write_s,
+                stats.verify_s,
+                self.verify,
             )
             crash_point("rank.before_report")
             t_report = time.perf_counter()
