@@ -82,14 +82,14 @@ def test_metrics_after_real_saves(served, tmp_path: Path) -> None:
     finally:
         c.close()
     # A rank reporting a shard of the wrong size: the coordinator's check fails the save.
-    bad = RankSim(server.core, "job", 0, 1)
+    bad = RankSim(server.core, job, 0, 1)
     bad.prepare({"x": torch.ones(1000)})
     server.call(bad.begin(4))
     rep = bad.write_blocking(4)
     st = server.call(bad.report(4, dataclasses.replace(rep, size=rep.size + 1)))
-    assert st.status == "ABORTED"
+    assert st.status == "ABORTED" and "the rank reported" in st.reason, st.reason
     # A save still open (one part of two sent): counted as an open session.
-    part = RankSim(server.core, "job", 0, 1)
+    part = RankSim(server.core, job, 0, 1)
     part.prepare({"y": torch.ones(10)})
     server.call(part.begin(5, part=0, parts=2))
 
