@@ -295,10 +295,10 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
 
 def _no_checkpoint(storage: Storage, args: argparse.Namespace, why: str | None = None) -> int:
     msg = why or f"{storage.url} holds no committed checkpoint"
+    print(f"error: {msg}", file=sys.stderr)
     if args.json:
-        _emit_json(args, {"path": storage.url, "ok": False, "steps": [], "error": msg})
-    else:
-        print(f"error: {msg}", file=sys.stderr)
+        doc = {"path": storage.url, "ok": False, "steps": [], "error": msg, "exit_code": PROBLEM}
+        _emit_json(args, doc)
     return PROBLEM
 
 
@@ -689,6 +689,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, str(e), USAGE if usage else PROBLEM)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `ckptctl inspect --json | head`: the reader left; no traceback, and no second
+        # error when Python flushes stdout at exit.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a file (in-process runs)
+            pass
+        return PROBLEM
 
 
 def _fail(args: argparse.Namespace, msg: str, code: int = PROBLEM) -> int:
