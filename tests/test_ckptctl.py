@@ -232,3 +232,12 @@ def test_progress_on_a_terminal_only(two_steps: str) -> None:
     assert rc == 0 and err == ""  # quiet in pipes
     rc, out, err = _subprocess("verify", two_steps, "--all", "--no-progress", stderr_tty=True)
     assert rc == 0 and err == ""
+
+
+def test_diff_as_a_real_subprocess(two_steps: str) -> None:
+    rc, out, err = _subprocess(
+        "diff", two_steps, "1", "2", "--json", "--exit-code", stderr_tty=False
+    )
+    assert rc == 1 and err == ""  # they differ: --exit-code says so, and it is not an error
+    doc = json.loads(out)
+    assert doc["ok"] is True and doc["changed"] == ["model/b", "lr"]

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import ckpt
 from ckpt._transport import CoordinatorClient
-from ckptd.coordinator.core import SaveRef
+from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.server import ServerOptions
 from ckptd.server.metrics import Metrics, MetricsServer
 
@@ -118,6 +118,16 @@ def test_two_servers_in_one_process_have_separate_registries(tmp_path: Path) -> 
     assert a.registry is not b.registry
     assert a.registry.get_sample_value("ckptd_saves_total", {"status": "committed"}) == 1
     assert b.registry.get_sample_value("ckptd_saves_total", {"status": "committed"}) == 0
+
+
+def test_a_client_without_timings_observes_no_phases() -> None:
+    """Clients that predate ReportShard's timing fields send zeros: counted, not timed."""
+    m = Metrics()
+    m.shard_reported("job", 1, 0, ShardReport("s.bin", 4096, "s.json", 10, "0" * 64))
+    get = m.registry.get_sample_value
+    assert get("ckptd_reported_shard_bytes_total") == 4096
+    assert get("ckptd_save_phase_seconds_count", {"phase": "write"}) == 0
+    assert get("ckptd_rank_write_throughput_bytes_per_second_count") == 0
 
 
 def test_ckptd_serve_metrics_port_zero(tmp_path: Path) -> None:
