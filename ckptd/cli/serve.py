@@ -113,7 +113,17 @@ async def serve(args: argparse.Namespace) -> int:
     metrics_server = None
     if args.metrics_port is not None:
         metrics_host = args.metrics_host or args.listen.rsplit(":", 1)[0].strip("[]")
-        metrics_server = MetricsServer(Metrics().attach(core), metrics_host, args.metrics_port)
+        try:
+            metrics_server = MetricsServer(Metrics().attach(core), metrics_host, args.metrics_port)
+        except OSError as e:
+            await core.close()
+            catalog.close()
+            print(
+                f"error: cannot serve metrics on {metrics_host}:{args.metrics_port}: {e}; "
+                "pick another --metrics-port (0 picks a free one) or --metrics-host",
+                file=sys.stderr,
+            )
+            return 1
         log.info("metrics at %s", metrics_server.url)
         print(f"ckptd: metrics on {metrics_host}:{metrics_server.port} (/metrics)", flush=True)
         if args.metrics_port_file:
