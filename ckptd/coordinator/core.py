@@ -329,6 +329,11 @@ class Coordinator:
                 f"job {job!r} step {ref.step} rank {ref.rank}: {len(chunks)} chunks in one part; "
                 f"send at most {MAX_PLAN_CHUNKS_PER_PART} per part"
             )
+        where = f"job {job!r} step {ref.step} rank {ref.rank}"
+        for c in chunks:
+            planning.check_chunk(c, where)
+        if metadata is not None and not isinstance(metadata, dict):
+            raise InvalidRequest(f"{where}: metadata must be a JSON object")
         await self._advance_generation(job, ref.generation)
         s = self.sessions.get((job, ref.step))
         if s is not None and s.generation < ref.generation:
@@ -409,6 +414,9 @@ class Coordinator:
             metadata = s.plans[0].metadata if 0 in s.plans else {}
         except CkptError as e:
             await self._abort(s, str(e), kind=type(e))
+            return
+        except (ValueError, TypeError, RecursionError) as e:  # a plan nothing above caught
+            await self._abort(s, f"the ranks' plans cannot be combined: {e}", kind=InvalidRequest)
             return
         draft = json.dumps({"state": state, "metadata": metadata, "chunks": _chunks_json(s.chunks)})
         await self.catalog.write(
@@ -608,7 +616,7 @@ class Coordinator:
         except CkptError as e:
             await self._abort(s, f"commit failed: {e}")
             return
-        except OSError as e:
+        except (OSError, ValueError) as e:
             await self._abort(s, f"commit failed: {e}")
             return
         crash_point("coordinator.after_manifest_rename")
@@ -682,6 +690,8 @@ class Coordinator:
 
     def get_checkpoint(self, job: str, step: int | None) -> SaveRecord:
         name = self.job_name(job)
+        if step is not None:
+            _check_step(name, step)
         if step is None:
             committed = self.catalog.saves(name, COMMITTED)
             if not committed:
@@ -699,6 +709,7 @@ class Coordinator:
         is the truth: rebuild-catalog reads it back).
         """
         name = self.job_name(job)
+        _check_step(name, step)
         rec = self.catalog.save(name, step)
         if rec is None or rec.status not in (COMMITTED, QUARANTINED):
             raise CheckpointNotFound(f"job {name!r} has no committed step {step} to quarantine")
@@ -980,6 +991,13 @@ class Coordinator:
                 )
                 self._generations[job] = gen
         return n
+
+
+def _check_step(job: str, step: int) -> None:
+    try:
+        layout.check_step(step)
+    except ValueError as e:
+        raise InvalidRequest(f"job {job!r}: {e}") from None
 
 
 def _find_jobs(root: str, max_depth: int = 6) -> list[str]:
