@@ -123,9 +123,10 @@ class Session:
         self.state: Any = None  # merged state tree, once planned
         self.block_sizes: dict[int, int] = {}  # from each reported index
         self.metadata: dict[str, Any] = {}
+        self.abort_kind: type[CkptError] = SaveAborted  # what a rank arriving later gets
 
     def fail(self, reason: str, kind: type[CkptError] = SaveAborted) -> None:
-        self.status, self.reason = ABORTED, reason
+        self.status, self.reason, self.abort_kind = ABORTED, reason, kind
         if not self.planned.done():
             self.planned.set_exception(kind(reason))
             self.planned.exception()  # mark retrieved: not every rank may be waiting
@@ -329,11 +330,6 @@ class Coordinator:
                 f"job {job!r} step {ref.step} rank {ref.rank}: {len(chunks)} chunks in one part; "
                 f"send at most {MAX_PLAN_CHUNKS_PER_PART} per part"
             )
-        where = f"job {job!r} step {ref.step} rank {ref.rank}"
-        for c in chunks:
-            planning.check_chunk(c, where)
-        if metadata is not None and not isinstance(metadata, dict):
-            raise InvalidRequest(f"{where}: metadata must be a JSON object")
         await self._advance_generation(job, ref.generation)
         s = self.sessions.get((job, ref.step))
         if s is not None and s.generation < ref.generation:
@@ -363,7 +359,19 @@ class Coordinator:
             )
         s = self._session(ref, job)
         if s.status == ABORTED:
-            raise SaveAborted(f"job {job!r} step {ref.step}: the save was aborted ({s.reason})")
+            raise s.abort_kind(f"job {job!r} step {ref.step}: the save was aborted ({s.reason})")
+        where = f"job {job!r} step {ref.step} rank {ref.rank}"
+        try:
+            for c in chunks:
+                planning.check_chunk(c, where)
+            if metadata is not None and not isinstance(metadata, dict):
+                raise InvalidRequest(f"{where}: metadata must be a JSON object")
+            if state is not None:
+                values.check_node(state, f"{where} state")
+        except CkptError as e:
+            # The other ranks learn it now instead of waiting out the barrier.
+            await self._abort(s, str(e), kind=type(e))
+            raise
         plan = s.plans.get(ref.rank)
         if plan is None:
             plan = s.plans[ref.rank] = _RankPlan(parts)
@@ -377,7 +385,6 @@ class Coordinator:
             )
         plan.received[part] = list(chunks)
         if state is not None:
-            values.check_node(state, f"job {job!r} step {ref.step} rank {ref.rank} state")
             plan.state = state
         if metadata:
             plan.metadata = metadata

@@ -74,7 +74,9 @@ def check_chunk(c: ChunkPlan, where: str) -> None:
     for d, (n, o, s) in enumerate(zip(c.shape, c.chunk_offsets, c.chunk_sizes, strict=True)):
         if o + s > n:
             raise InvalidRequest(
-                f"{what}: chunk [{o}, {o + s}) exceeds dimension {d} of size {n} (field chunk_sizes)"
+                f"{what}: chunk {list(c.chunk_offsets)[:8]}+{list(c.chunk_sizes)[:8]} lies "
+                f"outside shape {list(c.shape)[:8]} (dimension {d}; fields chunk_offsets, "
+                "chunk_sizes)"
             )
     if math.prod(c.shape) > MAX_ELEMENTS:
         raise InvalidRequest(f"{what}: shape {list(c.shape)[:8]} has more than 2**62 elements")

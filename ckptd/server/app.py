@@ -31,8 +31,8 @@ class ServerOptions:
     # BeginSave waits for every rank, so a save of N ranks holds N calls open at once.
     max_concurrent_rpcs: int = 20_000
     # One client connection's share (ckptd/server/guard.py): a runaway client is refused
-    # with RESOURCE_EXHAUSTED before it can exhaust max_concurrent_rpcs for everyone.
-    max_calls_per_client: int = 8_192
+    # with RESOURCE_EXHAUSTED before it can take more than half of max_concurrent_rpcs.
+    max_calls_per_client: int = 10_000
 
 
 async def create_server(

@@ -8,8 +8,9 @@ max_concurrent_rpcs) is high, and without a per-client share a single buggy clie
 leaks waiting calls would exhaust it and lock every other job out. A client over its share
 gets RESOURCE_EXHAUSTED at once; the others are not affected.
 
-A client is a connection (the peer address gRPC reports): every rank has its own. Over a
-unix socket all clients share one peer name, so they share one share.
+A client is a connection (the peer address gRPC reports): every rank process has its own.
+Channels of one process with equal options share one connection (gRPC's global subchannel
+pool) and so one share; over a unix socket all clients share one peer name.
 """
 
 from __future__ import annotations
@@ -76,4 +77,4 @@ class CallGuard(grpc.aio.ServerInterceptor):
                 if self.active[peer] <= 0:
                     del self.active[peer]
 
-        return handler._replace(unary_unary=guarded, request_deserializer=lenient)  # type: ignore[attr-defined, no-any-return]
+        return handler._replace(unary_unary=guarded, request_deserializer=lenient)
