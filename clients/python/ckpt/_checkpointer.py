@@ -36,7 +36,7 @@ from ckpt._transport import CoordinatorClient
 from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
-from ckptd.errors import CkptError, SaveAborted, SaveFailed
+from ckptd.errors import CheckpointNotFound, CkptError, SaveAborted, SaveFailed
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
@@ -482,7 +482,23 @@ class Checkpointer:
             fallback=fallback,
             rank=self.rank,
             on_quarantine=self._quarantined,
+            catalog_blake3=self._catalog_blake3,
         )
+
+    def _catalog_blake3(self, step: int) -> str | None:
+        """The manifest digest the coordinator committed for `step`; None if it never saw
+        the step (saved elsewhere, or a catalog rebuilt without it): storage alone decides."""
+        try:
+            info = self.client.get_checkpoint(self.path, step)
+        except CheckpointNotFound:
+            log.warning(
+                "job %s step %d is not in the coordinator's catalog; loading it on storage's "
+                "word alone (its manifest cannot be checked against the commit record)",
+                self.path,
+                step,
+            )
+            return None
+        return info.manifest_blake3 or None
 
     def _quarantined(self, step: int, reason: str) -> None:
         """A load found `step` corrupt: record it in the coordinator's catalog too."""
