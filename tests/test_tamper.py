@@ -122,6 +122,12 @@ def test_untouched_steps_pass_catalog_verify(saved):
     rc, doc, err = verify(job, "--all", "--coordinator", server.address, "--token", TOKEN)
     assert rc == 0, (doc, err)
     assert [r["step"] for r in doc["steps"]] == [1, 2]
+    # The digests the check compares with, as `ckptctl list --coordinator` shows them.
+    rc, out, err = ckptctl("list", job, "--coordinator", server.address, "--token", TOKEN, "--json")
+    assert rc == 0, err
+    for row in json.loads(out)["steps"]:
+        manifest = Path(step_path(job, row["step"])) / "MANIFEST.json"
+        assert row["manifest_blake3"] == hashing.digest(manifest.read_bytes())
 
 
 def test_forged_step_unknown_to_the_catalog(saved, tally):

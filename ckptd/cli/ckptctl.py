@@ -115,6 +115,7 @@ def cmd_list_coordinator(args: argparse.Namespace) -> int:
             "bytes": i.bytes,
             "reason": i.reason,
             "created_unix": i.created_unix,
+            "manifest_blake3": i.manifest_blake3,
         }
         for i in infos
     ]
