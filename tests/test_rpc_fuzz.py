@@ -11,6 +11,7 @@ normal save.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from pathlib import Path
@@ -26,6 +27,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ckpt
+from ckptd.coordinator.core import SaveRef, ShardReport
+from ckptd.coordinator.planning import ChunkPlan
+from ckptd.errors import CkptError
 from ckptd.server import ServerOptions
 from ckptd.v1 import coordinator_pb2 as pb
 
@@ -314,3 +318,56 @@ def test_fuzz_mutated_encodings(fuzz_server, channel, tally, method):
 
     one()
     assert_still_saves(fuzz_server)
+
+
+# ----------------------------------------------------------------------------- the core
+
+
+INTS = st.one_of(st.sampled_from([-1, 0, 1, 2, 2**62, 2**64, -(2**63)]), st.integers())
+CORE_REFS = st.builds(SaveRef, STRINGS, INTS, INTS, INTS, INTS)
+CORE_CHUNKS = st.lists(
+    st.builds(
+        ChunkPlan,
+        STRINGS,
+        STRINGS,
+        st.lists(INTS, max_size=3).map(tuple),
+        st.lists(INTS, max_size=3).map(tuple),
+        st.lists(INTS, max_size=3).map(tuple),
+        INTS,
+        STRINGS,
+    ),
+    max_size=3,
+)
+
+
+@given(
+    method=st.sampled_from(["begin", "keep_alive", "report", "await", "abort", "get", "open"]),
+    ref=CORE_REFS,
+    chunks=CORE_CHUNKS,
+    text=STRINGS,
+)
+def test_fuzz_core_directly(fuzz_server, tally, method, ref, chunks, text):
+    """The transport-free core with values the wire cannot carry (negative, past 2**64):
+    embedded callers and future transports get the same clear refusals."""
+    core = fuzz_server.core
+    calls = {
+        "begin": lambda: core.begin_save(ref, chunks, state=None, timeout_s=0.5),
+        "keep_alive": lambda: core.keep_alive(ref),
+        "report": lambda: core.report_shard(ref, ShardReport(text, ref.step, text, 1, text)),
+        "await": lambda: core.await_commit(ref, 0.2),
+        "abort": lambda: core.abort_save(ref, text),
+        "open": lambda: core.open_job(ref.job, text),
+    }
+
+    async def one() -> Any:
+        if method == "get":
+            return core.get_checkpoint(ref.job, ref.step)
+        return await asyncio.wait_for(calls[method](), 3)
+
+    with tally.bad_input(f"core-fuzz:{method}"):
+        try:
+            fuzz_server.call(one(), timeout=10)
+        except CkptError as e:
+            assert len(str(e)) >= 10 and not any(x in str(e) for x in PYTHON_LEAKS), str(e)
+        except TimeoutError:
+            assert method == "begin" and ref.world_size > 1, "the core hung"

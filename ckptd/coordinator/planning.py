@@ -71,6 +71,8 @@ def check_chunk(c: ChunkPlan, where: str) -> None:
             f"{what}: shape, chunk_offsets and chunk_sizes must have the same length "
             f"(at most {MAX_DIMS}), got {ndim}, {len(c.chunk_offsets)}, {len(c.chunk_sizes)}"
         )
+    if any(x < 0 for x in (*c.shape, *c.chunk_offsets, *c.chunk_sizes, c.length)):
+        raise InvalidRequest(f"{what}: dimensions, offsets and length must not be negative")
     for d, (n, o, s) in enumerate(zip(c.shape, c.chunk_offsets, c.chunk_sizes, strict=True)):
         if o + s > n:
             raise InvalidRequest(
