@@ -321,3 +321,12 @@ def test_undecodable_request_is_invalid_argument(tmp_path, tally):
                 assert "same ckptd version" in ei.value.details()
     finally:
         s.stop(0.2)
+
+
+def test_serve_has_the_per_client_limit() -> None:
+    from ckptd.cli import serve
+
+    args = serve.build_parser().parse_args(["serve", "--root", "r", "--max-calls-per-client", "7"])
+    assert args.max_calls_per_client == 7
+    default = serve.build_parser().parse_args(["serve", "--root", "r"])
+    assert default.max_calls_per_client == ServerOptions().max_calls_per_client

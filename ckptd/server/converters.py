@@ -65,7 +65,10 @@ def json_field(data: bytes, what: str) -> Any:
     if not data:
         return None
     if len(data) > MAX_JSON_BYTES:
-        raise InvalidRequest(f"{what} is {len(data)} bytes, over {MAX_JSON_BYTES}")
+        raise InvalidRequest(
+            f"{what} is {len(data)} bytes of JSON, over the {MAX_JSON_BYTES}-byte limit: keep "
+            "large values in tensors or numpy arrays (they go to the shards), not in plain values"
+        )
     try:
         value = json.loads(data, parse_constant=_reject_constant)
         # 1e999 parses to inf without a constant: the manifest could not be written.
