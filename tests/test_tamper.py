@@ -148,3 +148,18 @@ def test_verify_coordinator_needs_the_token(saved, tally):
     with tally.bad_input("auth:wrong-token"):
         rc, out, err = ckptctl("verify", job, "--coordinator", server.address, "--token", "nope")
         assert rc == 1 and "wrong token" in err
+
+
+def test_load_does_not_need_the_coordinator_up(saved, caplog):
+    """Storage alone restores (promise 6): with the coordinator gone the catalog check is
+    skipped, with a warning, and the load still verifies every byte."""
+    server, job = saved
+    cp = ckpt.Checkpointer(job, coordinator=server.address, token=TOKEN, attempt="a")
+    try:
+        server.stop(0.2)
+        cp.client.retry_for_s, cp.client.call_timeout_s = 0.2, 1.0
+        res = cp.load({}, step=2)
+        assert torch.equal(res.state[KEY], state(2)[KEY])
+        assert "unreachable" in caplog.text and "storage's word alone" in caplog.text
+    finally:
+        cp.close()

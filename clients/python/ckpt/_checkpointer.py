@@ -36,7 +36,13 @@ from ckpt._transport import CoordinatorClient
 from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
-from ckptd.errors import CheckpointNotFound, CkptError, SaveAborted, SaveFailed
+from ckptd.errors import (
+    CheckpointNotFound,
+    CkptError,
+    CoordinatorUnavailable,
+    SaveAborted,
+    SaveFailed,
+)
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
@@ -490,12 +496,17 @@ class Checkpointer:
         the step (saved elsewhere, or a catalog rebuilt without it): storage alone decides."""
         try:
             info = self.client.get_checkpoint(self.path, step)
-        except CheckpointNotFound:
+        except (CheckpointNotFound, CoordinatorUnavailable) as e:
+            # Storage alone describes a checkpoint (promise 6): a restore never depends on
+            # the coordinator being up, so this check is skipped, loudly, when it is not.
             log.warning(
-                "job %s step %d is not in the coordinator's catalog; loading it on storage's "
-                "word alone (its manifest cannot be checked against the commit record)",
+                "job %s step %d: %s; loading it on storage's word alone (its manifest is not "
+                "checked against the catalog's commit record)",
                 self.path,
                 step,
+                "not in the coordinator's catalog"
+                if isinstance(e, CheckpointNotFound)
+                else f"the coordinator is unreachable ({e})",
             )
             return None
         return info.manifest_blake3 or None
