@@ -140,6 +140,7 @@ def cmd_list_coordinator(args: argparse.Namespace) -> int:
             "bytes": i.bytes,
             "reason": i.reason,
             "created_unix": i.created_unix,
+            "manifest_blake3": i.manifest_blake3,
         }
         for i in infos
     ]
@@ -238,21 +239,32 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
             steps = [ckfmt.resolve_step(storage, args.step)]
         except CkptError as e:
             return _no_checkpoint(storage, args, str(e))
+    catalog = _CatalogDigests(args) if args.coordinator else None
     reports, seconds = [], []
-    for step in steps:
-        total = _step_bytes(storage, step)
-        bar = _progress(total, f"verify step {step}", args)
-        t0 = time.perf_counter()
-        try:
-            reports.append(
-                ckfmt.verify_checkpoint(
-                    storage, step, level=args.level, progress=bar.update if bar else None
+    try:
+        for step in steps:
+            total = _step_bytes(storage, step)
+            bar = _progress(total, f"verify step {step}", args)
+            expected, unknown = catalog.digest(step) if catalog else (None, None)
+            t0 = time.perf_counter()
+            try:
+                report = ckfmt.verify_checkpoint(
+                    storage,
+                    step,
+                    level=args.level,
+                    progress=bar.update if bar else None,
+                    manifest_blake3=expected,
                 )
-            )
-        finally:
-            if bar:
-                bar.close()
-        seconds.append(time.perf_counter() - t0)
+            finally:
+                if bar:
+                    bar.close()
+            seconds.append(time.perf_counter() - t0)
+            if unknown:
+                report.problems.insert(0, unknown)
+            reports.append(report)
+    finally:
+        if catalog:
+            catalog.close()
     ok = all(r.ok for r in reports)
     if args.json:
         _emit_json(
@@ -291,6 +303,51 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return OK if ok else PROBLEM
+
+
+class _CatalogDigests:
+    """verify --coordinator: each step's manifest digest as the catalog recorded it."""
+
+    def __init__(self, args: argparse.Namespace):
+        from ckpt._transport import CoordinatorClient
+
+        self.address, self.path = args.coordinator, args.path
+        self.client = CoordinatorClient(
+            args.coordinator,
+            token=args.token or os.environ.get("CKPTD_TOKEN"),
+            root_certificates=_read_file(args.tls_root_cert),
+            retry_for_s=10,
+        )
+
+    def digest(self, step: int) -> tuple[str | None, str | None]:
+        """(digest to check, or None; a problem to report when the catalog has none)."""
+        from ckptd.errors import CheckpointNotFound
+
+        try:
+            info = self.client.get_checkpoint(self.path, step)
+        except CheckpointNotFound:
+            return None, (
+                f"step {step} is not in the catalog of coordinator {self.address}: it was not "
+                "committed through it (if the catalog was lost: ckptd rebuild-catalog)"
+            )
+        if not info.manifest_blake3:
+            from ckptd.v1 import coordinator_pb2 as pb
+
+            return None, (
+                f"step {step} has a manifest in storage but the catalog of {self.address} "
+                f"says {pb.Status.Name(info.status)} ({info.reason or 'no commit recorded'})"
+            )
+        return info.manifest_blake3, None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _read_file(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _no_checkpoint(storage: Storage, args: argparse.Namespace, why: str | None = None) -> int:
@@ -599,6 +656,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="size: presence and sizes; full: re-read and hash every byte (default)",
     )
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp.add_argument(
+        "--coordinator",
+        metavar="ADDR",
+        help="also check each manifest against the blake3 the coordinator's catalog recorded "
+        "at commit (detects a consistent rewrite of shards, indexes and manifest)",
+    )
+    sp.add_argument("--token", help="coordinator token (default $CKPTD_TOKEN)")
+    sp.add_argument("--tls-root-cert", metavar="PEM", help="CA of a TLS coordinator")
     sp = add("gc", "remove debris of unfinished saves and, optionally, old steps")
     sp.add_argument("--keep-last", type=int, help="also remove committed steps beyond the newest N")
     sp.add_argument(

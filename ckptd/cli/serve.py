@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="seconds to wait for all ranks to join a save",
     )
+    s.add_argument(
+        "--max-calls-per-client",
+        type=int,
+        default=ServerOptions.max_calls_per_client,
+        help="calls one client connection may have in flight; more are refused",
+    )
     s.add_argument("--port-file", help="write the bound port here once serving")
     s.add_argument(
         "--metrics-port",
@@ -133,6 +139,7 @@ async def serve(args: argparse.Namespace) -> int:
         tls_cert=_read(args.tls_cert),
         tls_key=_read(args.tls_key),
         tls_client_ca=_read(args.tls_client_ca),
+        max_calls_per_client=args.max_calls_per_client,
     )
     server, port = await create_server(core, args.listen, options)
     host = args.listen.rsplit(":", 1)[0]

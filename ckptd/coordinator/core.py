@@ -131,9 +131,10 @@ class Session:
         self.block_sizes: dict[int, int] = {}  # from each reported index
         self.metadata: dict[str, Any] = {}
         self.all_reported = 0.0  # monotonic time of the last shard's report
+        self.abort_kind: type[CkptError] = SaveAborted  # what a rank arriving later gets
 
     def fail(self, reason: str, kind: type[CkptError] = SaveAborted) -> None:
-        self.status, self.reason = ABORTED, reason
+        self.status, self.reason, self.abort_kind = ABORTED, reason, kind
         if not self.planned.done():
             self.planned.set_exception(kind(reason))
             self.planned.exception()  # mark retrieved: not every rank may be waiting
@@ -367,7 +368,19 @@ class Coordinator:
             )
         s = self._session(ref, job)
         if s.status == ABORTED:
-            raise SaveAborted(f"job {job!r} step {ref.step}: the save was aborted ({s.reason})")
+            raise s.abort_kind(f"job {job!r} step {ref.step}: the save was aborted ({s.reason})")
+        where = f"job {job!r} step {ref.step} rank {ref.rank}"
+        try:
+            for c in chunks:
+                planning.check_chunk(c, where)
+            if metadata is not None and not isinstance(metadata, dict):
+                raise InvalidRequest(f"{where}: metadata must be a JSON object")
+            if state is not None:
+                values.check_node(state, f"{where} state")
+        except CkptError as e:
+            # The other ranks learn it now instead of waiting out the barrier.
+            await self._abort(s, str(e), kind=type(e), outcome=obs.FAILED)
+            raise
         plan = s.plans.get(ref.rank)
         if plan is None:
             plan = s.plans[ref.rank] = _RankPlan(parts)
@@ -381,7 +394,6 @@ class Coordinator:
             )
         plan.received[part] = list(chunks)
         if state is not None:
-            values.check_node(state, f"job {job!r} step {ref.step} rank {ref.rank} state")
             plan.state = state
         if metadata:
             plan.metadata = metadata
@@ -418,6 +430,14 @@ class Coordinator:
             metadata = s.plans[0].metadata if 0 in s.plans else {}
         except CkptError as e:
             await self._abort(s, str(e), kind=type(e), outcome=obs.FAILED)
+            return
+        except (ValueError, TypeError, RecursionError) as e:  # a plan nothing above caught
+            await self._abort(
+                s,
+                f"the ranks' plans cannot be combined: {e}",
+                kind=InvalidRequest,
+                outcome=obs.FAILED,
+            )
             return
         draft = json.dumps({"state": state, "metadata": metadata, "chunks": _chunks_json(s.chunks)})
         await self.catalog.write(
@@ -617,7 +637,7 @@ class Coordinator:
                 (COMMITTING, s.job, s.step, s.generation),
             )
             data = await asyncio.to_thread(ckfmt.commit, st, m)
-        except (CkptError, OSError) as e:
+        except (CkptError, OSError, ValueError) as e:
             await self._abort(s, f"commit failed: {e}", outcome=obs.FAILED)
             return
         crash_point("coordinator.after_manifest_rename")
@@ -694,6 +714,8 @@ class Coordinator:
 
     def get_checkpoint(self, job: str, step: int | None) -> SaveRecord:
         name = self.job_name(job)
+        if step is not None:
+            _check_step(name, step)
         if step is None:
             committed = self.catalog.saves(name, COMMITTED)
             if not committed:
@@ -711,6 +733,7 @@ class Coordinator:
         is the truth: rebuild-catalog reads it back).
         """
         name = self.job_name(job)
+        _check_step(name, step)
         rec = self.catalog.save(name, step)
         if rec is None or rec.status not in (COMMITTED, QUARANTINED):
             raise CheckpointNotFound(f"job {name!r} has no committed step {step} to quarantine")
@@ -1000,6 +1023,13 @@ class Coordinator:
                 )
                 self._generations[job] = gen
         return n
+
+
+def _check_step(job: str, step: int) -> None:
+    try:
+        layout.check_step(step)
+    except ValueError as e:
+        raise InvalidRequest(f"job {job!r}: {e}") from None
 
 
 def _find_jobs(root: str, max_depth: int = 6) -> list[str]:

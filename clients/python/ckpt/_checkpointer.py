@@ -37,7 +37,13 @@ from ckpt._transport import CoordinatorClient
 from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
-from ckptd.errors import CkptError, SaveAborted, SaveFailed
+from ckptd.errors import (
+    CheckpointNotFound,
+    CkptError,
+    CoordinatorUnavailable,
+    SaveAborted,
+    SaveFailed,
+)
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
@@ -518,7 +524,28 @@ class Checkpointer:
             fallback=fallback,
             rank=self.rank,
             on_quarantine=self._quarantined,
+            catalog_blake3=self._catalog_blake3,
         )
+
+    def _catalog_blake3(self, step: int) -> str | None:
+        """The manifest digest the coordinator committed for `step`; None if it never saw
+        the step (saved elsewhere, or a catalog rebuilt without it): storage alone decides."""
+        try:
+            info = self.client.get_checkpoint(self.path, step)
+        except (CheckpointNotFound, CoordinatorUnavailable) as e:
+            # Storage alone describes a checkpoint (promise 6): a restore never depends on
+            # the coordinator being up, so this check is skipped, loudly, when it is not.
+            log.warning(
+                "job %s step %d: %s; loading it on storage's word alone (its manifest is not "
+                "checked against the catalog's commit record)",
+                self.path,
+                step,
+                "not in the coordinator's catalog"
+                if isinstance(e, CheckpointNotFound)
+                else f"the coordinator is unreachable ({e})",
+            )
+            return None
+        return info.manifest_blake3 or None
 
     def _quarantined(self, step: int, reason: str) -> None:
         """A load found `step` corrupt: record it in the coordinator's catalog too."""

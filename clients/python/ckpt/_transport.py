@@ -82,7 +82,9 @@ class CoordinatorClient:
                 if code in RETRYABLE or code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise CoordinatorUnavailable(
                         f"{what}: coordinator {self.address} unreachable or too slow ({code.name}: {details}); "
-                        "check that it runs (CKPTD_ADDRESS) and that this host can reach it"
+                        "check that it runs (CKPTD_ADDRESS), that this host can reach it, and that "
+                        "the TLS settings match the server's (tls_root_cert for a TLS server, "
+                        "a client certificate its CA signed for mutual TLS)"
                     ) from None
                 raise error_from(code, f"{what}: {details}") from None
 
