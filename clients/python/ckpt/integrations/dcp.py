@@ -46,7 +46,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -68,41 +67,21 @@ from torch.futures import Future
 from ckpt import _world
 from ckpt._api import _check_metadata
 from ckpt._flatten import tensor_bytes
-from ckpt.integrations import _coordinator
+from ckpt.integrations import _commit, _coordinator
 from ckpt.integrations import _dcp_manifest as dm
 from ckpt.integrations._plain import from_node, to_node
-from ckptd import knobs
-from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
-from ckptd.errors import CkptError, CorruptCheckpoint, SaveAborted, UnsupportedValue
+from ckptd.errors import CkptError, CorruptCheckpoint, UnsupportedValue
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import dtypes, hashing, layout
+from ckptd.format import dtypes, layout
 from ckptd.format.boxes import BoxRead, read_boxes
 from ckptd.format.manifest import ShardInfo
-from ckptd.format.writer import ShardWriter, WriteItem, plan_offsets
+from ckptd.format.writer import WriteItem
 from ckptd.storage import open_storage
 
 __all__ = ["StorageReader", "StorageWriter"]
 
 log = logging.getLogger("ckpt")
-
-
-def _job_path(path: str | os.PathLike[str]) -> str:
-    p = os.fspath(path)
-    return p if "://" in p else os.path.realpath(os.path.abspath(p))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Target:
-    """What the coordinator rank tells each rank in plan.storage_data."""
-
-    job: str
-    step: int
-    generation: int
-    rank: int
-    world_size: int
-    verify: str
-    io_threads: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +128,7 @@ class StorageWriter(_DCPWriter):
             raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-        self.path = _job_path(path)
+        self.path = _commit.job_path(path)
         self.step = layout.check_step(step)
         self.verify, self.keep_last = verify, keep_last
         self.metadata = _check_metadata(metadata)
@@ -158,7 +137,7 @@ class StorageWriter(_DCPWriter):
         self.coordinator, self.token, self.attempt = coordinator, token, attempt
         self.timeout_s, self.io_threads = timeout_s, io_threads
         self.rank = 0
-        self._target: _Target | None = None
+        self._target: _commit.Target | None = None
         self._conn: _coordinator.Connection | None = None
 
     @property
@@ -169,7 +148,7 @@ class StorageWriter(_DCPWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A checkpoint_id passed to dcp.save names the job directory (the step stays)."""
         if checkpoint_id is not None:
-            self.path = _job_path(checkpoint_id)
+            self.path = _commit.job_path(checkpoint_id)
         self._target = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -196,7 +175,7 @@ class StorageWriter(_DCPWriter):
             self.path, address=self.coordinator, token=self.token, attempt=self.attempt
         )
         ckfmt.begin_step(open_storage(self.path, create=True), self.step)
-        self._target = _Target(
+        self._target = _commit.Target(
             self.path, self.step, conn.generation, 0, len(plans), self.verify, self.io_threads
         )
         return [
@@ -207,7 +186,7 @@ class StorageWriter(_DCPWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items as one verified ckptd shard (every rank)."""
         target = plan.storage_data
-        if not isinstance(target, _Target):
+        if not isinstance(target, _commit.Target):
             raise CkptError(
                 f"{self._where}: the plan carries no ckptd target; was prepare_global_plan skipped?"
             )
@@ -228,7 +207,7 @@ class StorageWriter(_DCPWriter):
                 )
             keys.add(key)
             tensors.append((item, _write_item(planner, item, key, self._where)))
-        info, chunks = _write_shard(target, [w for _, w in tensors])
+        info, chunks = _commit.write_shard(target, [w for _, w in tensors])
         results = [
             WriteResult(
                 index=item.index,
@@ -293,11 +272,11 @@ class StorageWriter(_DCPWriter):
                     leaves.append((path, w.node))
         for r in range(target.world_size):
             if r not in shards:  # DCP gave this rank nothing to write
-                shards[r] = _empty_shard(dataclasses.replace(target, rank=r))
+                shards[r] = _commit.empty_shard(dataclasses.replace(target, rank=r))
         tree = dm.build_tree(leaves, f"job {self.path!r} step {self.step}")
         meta = {**self.metadata, dm.SECTION: dm.section(metadata.version, tensors, objects)}
         assert self._conn is not None
-        _commit(
+        _commit.commit(
             self._conn.client, target, shards, chunks, tree, meta, self.keep_last, self.timeout_s
         )
         log.info(
@@ -334,106 +313,6 @@ def _write_item(planner: SavePlanner, item: Any, key: str, where: str) -> WriteI
     return WriteItem(key, name, list(td.size), list(td.chunk.offsets), sizes, tensor_bytes(t))
 
 
-def _write_shard(target: _Target, items: list[WriteItem]) -> tuple[ShardInfo, list[ChunkPlan]]:
-    """Write, fsync, index and verify this rank's shard; its info and each item's plan."""
-    offsets, size = plan_offsets([it.data.nbytes for it in items], knobs.get().alignment)
-    w = ShardWriter(
-        open_storage(target.job, create=True),
-        job=target.job,
-        step=target.step,
-        rank=target.rank,
-        world_size=target.world_size,
-        generation=target.generation,
-        size=size,
-        io_threads=target.io_threads,
-    )
-    digests = w.write(items, offsets)
-    info = w.finish(items, offsets, digests, verify=target.verify)
-    plans = [
-        ChunkPlan(
-            it.key,
-            it.dtype,
-            tuple(it.shape),
-            tuple(it.chunk_offsets),
-            tuple(it.chunk_sizes),
-            it.data.nbytes,
-            hashing.chunk_digest(d),
-        )
-        for it, d in zip(items, digests, strict=True)
-    ]
-    return info, plans
-
-
-def _empty_shard(target: _Target) -> ShardInfo:
-    info, _ = _write_shard(target, [])
-    return info
-
-
-def _commit(
-    client: Any,
-    target: _Target,
-    shards: dict[int, ShardInfo],
-    chunks: dict[int, list[ChunkPlan]],
-    tree: Any,
-    metadata: dict[str, Any],
-    keep_last: int | None,
-    timeout_s: float,
-) -> None:
-    """ckptd's commit protocol on behalf of every rank: BeginSave, ReportShard, AwaitCommit."""
-    where = f"job {target.job!r} step {target.step}"
-
-    def ref(r: int) -> SaveRef:
-        return SaveRef(target.job, target.step, target.generation, r, target.world_size)
-
-    def begin(r: int) -> list[int]:
-        begun = client.begin_save(
-            ref(r),
-            chunks[r],
-            state=tree,
-            metadata=metadata,
-            allow_divergent=False,
-            keep_last=keep_last or 0,
-            timeout_s=timeout_s,
-        )
-        return begun.write
-
-    def report(r: int) -> str:
-        s = shards[r]
-        rep = ShardReport(s.path, s.size, s.index, s.index_size, s.index_blake3, target.verify)
-        return client.report_shard(ref(r), rep).status
-
-    ranks = list(range(target.world_size))
-    try:
-        # Every rank's BeginSave waits at the coordinator's barrier for the others.
-        with ThreadPoolExecutor(len(ranks)) as pool:
-            writes = list(pool.map(begin, ranks))
-            for r, w in zip(ranks, writes, strict=True):
-                if w != list(range(len(chunks[r]))):
-                    raise SaveAborted(
-                        f"{where} rank {r}: the coordinator assigned chunks {w[:8]} of "
-                        f"{len(chunks[r])}; DCP already deduplicated them, so every chunk "
-                        "must be kept (two ranks wrote the same chunk?)"
-                    )
-            statuses = list(pool.map(report, ranks))
-        status = client.await_commit(ref(0), timeout_s)
-    except BaseException as e:
-        _abort_quietly(client, ref(0), f"{type(e).__name__}: {e}")
-        raise
-    if status.status != "COMMITTED":
-        raise SaveAborted(
-            f"{where}: the DCP save was not committed ({status.status}; reports "
-            f"{sorted(set(statuses))}): {status.reason}. Nothing was committed; the previous "
-            "step is untouched"
-        )
-
-
-def _abort_quietly(client: Any, ref: SaveRef, reason: str) -> None:
-    try:
-        client.abort_save(ref, reason)
-    except CkptError as e:
-        log.warning("job %s step %d: could not abort the save: %s", ref.job, ref.step, e)
-
-
 class StorageReader(_DCPReader):
     """Load step `step` (default: the newest committed) of the ckptd job at `path` with DCP.
 
@@ -449,7 +328,7 @@ class StorageReader(_DCPReader):
         io_threads: int | None = None,
     ):
         super().__init__()
-        self.path = _job_path(path)
+        self.path = _commit.job_path(path)
         self.step = None if step is None else layout.check_step(step)
         self.io_threads = io_threads
         self.rank = 0
@@ -464,7 +343,7 @@ class StorageReader(_DCPReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = _job_path(checkpoint_id)
+            self.path = _commit.job_path(checkpoint_id)
         self._ck = None
 
     @classmethod
