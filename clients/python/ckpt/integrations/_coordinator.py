@@ -64,11 +64,22 @@ def connect(
         return conn
 
 
+def close(path: str) -> None:
+    """Close the connections of job `path` (before its directory is removed)."""
+    with _lock:
+        conns = [_connections.pop(k) for k in list(_connections) if k[0] == path]
+    _close(conns)
+
+
 def close_all() -> None:
     """Close every cached connection (and embedded coordinator); later saves reopen them."""
     with _lock:
         conns = list(_connections.values())
         _connections.clear()
+    _close(conns)
+
+
+def _close(conns: list[Connection]) -> None:
     for c in conns:
         c.client.close()
         if c.embedded is not None:
