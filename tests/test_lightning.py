@@ -118,5 +118,7 @@ def test_overwriting_a_path_commits_a_new_step_and_retires_the_old(tmp_path: Pat
     io.save_checkpoint({"global_step": 5, "w": torch.ones(2)}, path)
     io.save_checkpoint({"global_step": 5, "w": torch.zeros(2)}, path)
     assert torch.equal(io.load_checkpoint(path)["w"], torch.zeros(2))
+    steps = sorted(p.name for p in path.iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-000000000006"], steps  # committed as 6, then step 5 retired
     io.remove_checkpoint(path)
     assert not path.exists()
