@@ -226,3 +226,25 @@ def test_writer_options_are_checked() -> None:
         StorageWriter("/tmp/x", step=1, metadata={"dcp": 1})
     with pytest.raises(ValueError, match="step"):
         StorageWriter("/tmp/x", step=-1)
+
+
+class TruncatingWriter(StorageWriter):
+    """Damages rank 0's shard between the write and the commit (a disk that lost a tail)."""
+
+    def finish(self, metadata, results) -> None:  # noqa: ANN001
+        shard = Path(self.path) / "step-000000000002" / "shards" / "rank-00000.bin"
+        with open(shard, "r+b") as f:
+            f.truncate(4096)
+        super().finish(metadata, results)
+
+
+@pytest.mark.filterwarnings(NO_DIST)
+def test_the_coordinator_refuses_a_shard_damaged_before_the_commit(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(job, step=1))
+    with pytest.raises(BaseException, match=r"step 2.*not committed.*rank 0"):
+        dcp.save({"w": torch.zeros(8192)}, storage_writer=TruncatingWriter(job, step=2))
+    assert not (step_dir(job, 2) / "MANIFEST.json").exists()
+    got = {"w": torch.zeros(3)}
+    dcp.load(got, storage_reader=StorageReader(job))  # the previous step is untouched
+    assert torch.equal(got["w"], torch.ones(3))
