@@ -32,6 +32,7 @@ class Connection:
 
 _lock = threading.Lock()
 _connections: dict[tuple[str, str | None, str], Connection] = {}
+_at_exit = False
 
 
 def connect(
@@ -58,8 +59,10 @@ def connect(
             if embedded is not None:
                 embedded.close()
             raise
-        if not _connections:
+        global _at_exit
+        if not _at_exit:
             atexit.register(close_all)
+            _at_exit = True
         conn = _connections[key] = Connection(client, generation, attempt, embedded)
         return conn
 
