@@ -248,3 +248,19 @@ def test_the_coordinator_refuses_a_shard_damaged_before_the_commit(tmp_path: Pat
     got = {"w": torch.zeros(3)}
     dcp.load(got, storage_reader=StorageReader(job))  # the previous step is untouched
     assert torch.equal(got["w"], torch.ones(3))
+
+
+@pytest.mark.filterwarnings(NO_DIST)
+def test_an_older_attempt_is_fenced_and_retention_keeps_the_newest(tmp_path: Path) -> None:
+    job, other = tmp_path / "job", tmp_path / "other"
+    sd = {"w": torch.ones(4)}
+    dcp.save(sd, storage_writer=StorageWriter(job, step=1, attempt="launch-1"))
+    # A checkpoint_id given to dcp.save names the job directory (the writer keeps its step).
+    dcp.save(sd, checkpoint_id=other, storage_writer=StorageWriter(job, step=7))
+    assert (step_dir(other, 7) / "MANIFEST.json").exists()
+    dcp.save(sd, storage_writer=StorageWriter(job, step=2, attempt="launch-2", keep_last=1))
+    with pytest.raises(BaseException, match="fenced"):
+        dcp.save(sd, storage_writer=StorageWriter(job, step=3, attempt="launch-1"))
+    assert not (step_dir(job, 3) / "MANIFEST.json").exists()
+    assert ckpt.load({}, job).step == 2
+    assert not (step_dir(job, 1) / "MANIFEST.json").exists()  # keep_last=1 retired step 1

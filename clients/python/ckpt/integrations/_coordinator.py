@@ -27,11 +27,14 @@ class Connection:
     client: CoordinatorClient
     generation: int
     attempt: str
-    embedded: EmbeddedCoordinator | None
 
 
 _lock = threading.Lock()
 _connections: dict[tuple[str, str | None, str], Connection] = {}
+# One embedded coordinator per job: every attempt of the job in this process talks to it,
+# so a newer attempt's generation fences an older one's saves (two coordinators over one
+# catalog would each believe their own newest generation).
+_embedded: dict[str, EmbeddedCoordinator] = {}
 _at_exit = False
 
 
@@ -39,6 +42,7 @@ def connect(
     path: str, *, address: str | None, token: str | None, attempt: str | None
 ) -> Connection:
     """The (cached) connection for job `path`; opens the job to learn its generation."""
+    global _at_exit
     address = address or os.environ.get("CKPTD_ADDRESS")
     token = token if token is not None else os.environ.get("CKPTD_TOKEN")
     attempt = _world.attempt_id(attempt, 2) or _PROCESS_ATTEMPT
@@ -47,43 +51,44 @@ def connect(
         conn = _connections.get(key)
         if conn is not None:
             return conn
-        embedded = None
+        if not _at_exit:
+            atexit.register(close_all)
+            _at_exit = True
         if address is None:
-            embedded = EmbeddedCoordinator(path)
+            embedded = _embedded.get(path)
+            if embedded is None:
+                embedded = _embedded[path] = EmbeddedCoordinator(path)
             address, token = embedded.address, embedded.token
         client = CoordinatorClient(address, token=token)
         try:
             generation, _ = client.open_job(path, attempt)
         except BaseException:
             client.close()
-            if embedded is not None:
-                embedded.close()
             raise
-        global _at_exit
-        if not _at_exit:
-            atexit.register(close_all)
-            _at_exit = True
-        conn = _connections[key] = Connection(client, generation, attempt, embedded)
+        conn = _connections[key] = Connection(client, generation, attempt)
         return conn
 
 
 def close(path: str) -> None:
-    """Close the connections of job `path` (before its directory is removed)."""
+    """Close job `path`'s connections and embedded coordinator (before removing its files)."""
     with _lock:
         conns = [_connections.pop(k) for k in list(_connections) if k[0] == path]
-    _close(conns)
+        embedded = [_embedded.pop(path)] if path in _embedded else []
+    _close(conns, embedded)
 
 
 def close_all() -> None:
-    """Close every cached connection (and embedded coordinator); later saves reopen them."""
+    """Close every cached connection and embedded coordinator; later saves reopen them."""
     with _lock:
         conns = list(_connections.values())
+        embedded = list(_embedded.values())
         _connections.clear()
-    _close(conns)
+        _embedded.clear()
+    _close(conns, embedded)
 
 
-def _close(conns: list[Connection]) -> None:
+def _close(conns: list[Connection], embedded: list[EmbeddedCoordinator]) -> None:
     for c in conns:
         c.client.close()
-        if c.embedded is not None:
-            c.embedded.close()
+    for e in embedded:
+        e.close()
