@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from coordinator_fixtures import TESTS, child_env, ckptctl, shard_index_keys
+from coordinator_fixtures import TESTS, TOKEN, ServerThread, child_env, ckptctl, shard_index_keys
 
 import ckpt
 from ckptd.errors import UnsupportedValue
@@ -264,3 +264,27 @@ def test_an_older_attempt_is_fenced_and_retention_keeps_the_newest(tmp_path: Pat
     assert not (step_dir(job, 3) / "MANIFEST.json").exists()
     assert ckpt.load({}, job).step == 2
     assert not (step_dir(job, 1) / "MANIFEST.json").exists()  # keep_last=1 retired step 1
+
+
+@pytest.mark.filterwarnings(NO_DIST)
+def test_save_through_a_ckptd_service_with_its_token(tmp_path: Path) -> None:
+    from ckptd.errors import Unauthenticated
+    from ckptd.server import ServerOptions
+
+    root = tmp_path / "root"
+    server = ServerThread(root, options=ServerOptions(token=TOKEN))
+    try:
+        job = root / "team" / "run"
+        w = StorageWriter(job, step=4, coordinator=server.address, token=TOKEN)
+        dcp.save({"w": torch.arange(5.0)}, storage_writer=w)
+        assert server.core.catalog.save("team/run", 4).status == "COMMITTED"
+        assert not (job / ".ckptd").exists()  # the service's catalog, no embedded one
+        bad = StorageWriter(job, step=5, coordinator=server.address, token="wrong")
+        # DCP wraps the coordinator rank's error in its CheckpointException.
+        with pytest.raises(BaseException, match=f"{Unauthenticated.__name__}: .*wrong token"):
+            dcp.save({"w": torch.zeros(5)}, storage_writer=bad)
+    finally:
+        server.stop()
+    got = {"w": torch.zeros(5)}
+    dcp.load(got, storage_reader=StorageReader(job))  # storage alone: no coordinator needed
+    assert torch.equal(got["w"], torch.arange(5.0))

@@ -30,7 +30,7 @@ class Connection:
 
 
 _lock = threading.Lock()
-_connections: dict[tuple[str, str | None, str], Connection] = {}
+_connections: dict[tuple[str, str | None, str | None, str], Connection] = {}
 # One embedded coordinator per job: every attempt of the job in this process talks to it,
 # so a newer attempt's generation fences an older one's saves (two coordinators over one
 # catalog would each believe their own newest generation).
@@ -46,7 +46,7 @@ def connect(
     address = address or os.environ.get("CKPTD_ADDRESS")
     token = token if token is not None else os.environ.get("CKPTD_TOKEN")
     attempt = _world.attempt_id(attempt, 2) or _PROCESS_ATTEMPT
-    key = (path, address, attempt)
+    key = (path, address, token, attempt)
     with _lock:
         conn = _connections.get(key)
         if conn is not None:
