@@ -34,6 +34,15 @@ from ckpt.integrations.dcp import StorageReader, StorageWriter  # noqa: E402
 NO_DIST = "ignore:torch.distributed is disabled:UserWarning"
 
 
+@pytest.fixture(autouse=True)
+def _close_coordinators():  # noqa: ANN202
+    """Stop the embedded coordinators this test's saves started (they live per process)."""
+    yield
+    from ckpt.integrations import _coordinator
+
+    _coordinator.close_all()
+
+
 def step_dir(job: Path, step: int) -> Path:
     return job / f"step-{step:012d}"
 
@@ -288,3 +297,15 @@ def test_save_through_a_ckptd_service_with_its_token(tmp_path: Path) -> None:
     got = {"w": torch.zeros(5)}
     dcp.load(got, storage_reader=StorageReader(job))  # storage alone: no coordinator needed
     assert torch.equal(got["w"], torch.arange(5.0))
+
+
+def test_import_ckpt_imports_no_integration() -> None:
+    code = (
+        "import sys, ckpt; "
+        "bad = [m for m in ('ckpt.integrations', 'lightning', 'accelerate', "
+        "'pytorch_lightning') if m in sys.modules]; print(bad)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
