@@ -77,7 +77,7 @@ class TestS3Storage(StorageContract):
         assert storage.read_bytes("m/x.bin", limit=len(data)) == data
 
 
-def test_s3_save_load_verify_roundtrip(s3_bucket, run_ckptctl):
+def test_s3_save_load_verify_roundtrip(s3_bucket, run_ckptctl, ckptctl):
     url = f"s3://{s3_bucket}/runs/job"
     states = {s: state_for(s) for s in (1, 2, 3)}
     for s, st in states.items():
@@ -103,7 +103,7 @@ def test_s3_save_load_verify_roundtrip(s3_bucket, run_ckptctl):
     body = bytearray(c.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
     body[100] ^= 1
     c.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))
-    rc, out, _ = run_ckptctl("verify", url, "--step", "3")
+    rc, out, _ = ckptctl("verify", url, "--step", "3")
     assert rc == 1 and "rank-00000.bin" in out
     with pytest.raises(ckpt.HashMismatch):
         ckpt.load({}, url, step=3)
