@@ -165,7 +165,7 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_mirror_down_training_goes_on(job):
+def test_mirror_down_training_goes_on(job, caplog):
     down = FsspecStorage(
         "s3://nowhere/job",
         endpoint_url=f"http://127.0.0.1:{_closed_port()}",
@@ -180,6 +180,11 @@ def test_mirror_down_training_goes_on(job):
             assert r is not None and r.step == s
             assert cp._mirror.wait(60)
         failures = dict(cp._mirror.failures)
+        # Loads do not depend on the mirror either: the local copy is nearest.
+        assert cp.load({}).step == 2
+        assert "s3://nowhere/job cannot be listed" in caplog.text
+    where = f"job {os.path.realpath(job)} step 1 -> mirror s3://nowhere/job: upload FAILED"
+    assert where in caplog.text
     assert steps_of(job) == [1, 2]
     assert set(failures) == {1, 2}
     assert all(f for f in failures.values())

@@ -35,8 +35,8 @@ def tier_steps(tiers: Sequence[Tier]) -> list[ckfmt.StepInfo]:
     """Each step's best status over the tiers (COMMITTED when any tier holds it whole)."""
     best: dict[int, ckfmt.StepInfo] = {}
     rank = {ckfmt.COMMITTED: 0, ckfmt.QUARANTINED: 1, ckfmt.INVALID: 2, ckfmt.INCOMPLETE: 3}
-    for _, st in tiers:
-        for s in ckfmt.list_steps(st):
+    for name, st in tiers:
+        for s in _listed(name, st, ckfmt.list_steps, []):
             old = best.get(s.step)
             if old is None or rank.get(s.status, 9) < rank.get(old.status, 9):
                 best[s.step] = s
@@ -47,9 +47,24 @@ def holders(tiers: Sequence[Tier]) -> dict[int, list[str]]:
     """For each step, the names of the tiers whose copy is committed (not quarantined)."""
     out: dict[int, list[str]] = {}
     for name, st in tiers:
-        for step in ckfmt.committed_steps(st):
+        for step in _listed(name, st, ckfmt.committed_steps, []):
             out.setdefault(step, []).append(name)
     return {k: out[k] for k in sorted(out)}
+
+
+def _listed(name: str, st: Storage, fn: Callable[[Storage], Any], empty: Any) -> Any:
+    """A tier's listing; an unreachable tier (the mirror down) counts as holding nothing."""
+    try:
+        return fn(st)
+    except Exception as e:  # noqa: BLE001 - any store client error: that tier is out
+        log.error(
+            "the %s tier %s cannot be listed (%s: %s); loading from the other tiers",
+            name,
+            st.url,
+            type(e).__name__,
+            e,
+        )
+        return empty
 
 
 def load_tiered(
