@@ -542,9 +542,9 @@ class Checkpointer:
             self._record_mirror(step, "FAILED", f"quarantined: {reason}")
 
     def _record_mirror(self, step: int, status: str, reason: str) -> None:
-        """The catalog's record of the mirror's copy (embedded coordinator only, for now)."""
-        if self._embedded is not None and self.mirror_storage is not None:
-            self._embedded.record_tier(
+        """The coordinator's catalog records what the mirror holds (RecordTier)."""
+        if self.mirror_storage is not None:
+            self.client.record_tier(
                 self.path, step, "mirror", self.mirror_storage.url, status, reason
             )
 

@@ -81,14 +81,6 @@ class EmbeddedCoordinator:
         )
         return int(port)
 
-    def record_tier(
-        self, job: str, step: int, tier: str, url: str, status: str, reason: str = ""
-    ) -> None:
-        """Record a mirror transition in the catalog (from any thread; see ckpt._mirror)."""
-        if self.core is None or self._loop.is_closed():
-            return
-        self._run(self.core.record_tier(job, step, tier, url, status, reason))
-
     async def _stop(self) -> None:
         if self._server is not None:
             await self._server.stop(grace=2)
