@@ -12,8 +12,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +40,7 @@ from ckptd.storage import open_storage
 from ckptd.storage.fsspec_store import FsspecStorage
 
 MEM = fsspec.filesystem("memory")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -256,3 +262,75 @@ def test_schema_1_catalog_is_migrated(tmp_path):
         assert cat.db.execute("PRAGMA user_version").fetchone()[0] == catalog_mod.SCHEMA_VERSION
     finally:
         cat.close()
+
+
+def test_a_served_coordinator_records_the_mirror(tmp_path, mem_mirror):
+    from coordinator_fixtures import ServerThread
+
+    root = tmp_path / "root"
+    root.mkdir()
+    srv = ServerThread(root)
+    try:
+        job = str(root / "job")
+        with ckpt.Checkpointer(job, coordinator=srv.address, attempt="a1", mirror=mem_mirror) as cp:
+            save_all(cp, range(1, 3))
+        rows = [(r.step, r.tier, r.url, r.status) for r in srv.core.catalog.tiers("job")]
+    finally:
+        srv.stop()
+    assert rows == [(1, "mirror", mem_mirror, "HELD"), (2, "mirror", mem_mirror, "HELD")]
+
+
+_MIRROR_RANK = textwrap.dedent(
+    """
+    import sys, torch, ckpt
+    from ckptd import knobs
+    job, mirror = sys.argv[1], sys.argv[2]
+    with knobs.override(upload_part_size=5 << 20, upload_concurrency=1):
+        cp = ckpt.Checkpointer(job, mirror=mirror, verify="size")
+        cp.save({"w": torch.arange(1000, dtype=torch.float32)}, 1, blocking=True)
+        assert cp._mirror.wait(60)
+        big = {"w": torch.randn((16 << 20) // 4, generator=torch.Generator().manual_seed(2))}
+        cp.save(big, 2, blocking=True)
+        print("step 2 committed locally", flush=True)
+        cp._mirror.wait(120)
+        print("step 2 mirrored (the kill came too late)", flush=True)
+    """
+)
+
+
+@pytest.mark.slow  # a second process importing torch; the storage-level kill runs by default
+@pytest.mark.multiprocess
+def test_kill_during_the_mirror_upload(s3_server, s3_bucket, job, tmp_path):
+    mirror = f"s3://{s3_bucket}/job"
+    script = tmp_path / "rank.py"
+    script.write_text(_MIRROR_RANK)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO}/clients/python"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), job, mirror],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    client = s3_server.client()
+    seen = False
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None and not seen:
+            for u in client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []):
+                parts = client.list_parts(Bucket=s3_bucket, Key=u["Key"], UploadId=u["UploadId"])
+                seen = seen or bool(parts.get("Parts"))
+            time.sleep(0.01)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+    assert seen and proc.returncode == -signal.SIGKILL, (out, err[-3000:])
+    assert b"step 2 committed locally" in out and b"mirrored" not in out
+    assert steps_of(job) == [1, 2]
+    assert steps_of(mirror) == [1]  # the half copy is not a checkpoint there
+    want = ckpt.load({}, job, step=2).state
+    # The next run redoes the copy, verified, and the mirror's step 2 equals the local one.
+    with ckpt.Checkpointer(job, mirror=mirror) as cp:
+        assert cp._mirror is not None and cp._mirror.wait(120)
+        assert not cp._mirror.failures
+    assert steps_of(mirror) == [1, 2]
+    assert_same(ckpt.load({}, mirror, step=2).state, want)

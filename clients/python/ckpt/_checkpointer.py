@@ -142,6 +142,12 @@ class Checkpointer:
             if self.mirror_storage is not None and self.rank == 0
             else None
         )
+        if self._mirror is not None:
+            # Catch up: a copy a previous run did not finish (killed, mirror down) is
+            # redone; the thread finds out whether the mirror has it (then nothing moves).
+            newest = ckfmt.latest_step(self.storage)
+            if newest is not None:
+                self._mirror.submit(newest)
         self.on_error = on_error
         if staging_budget_bytes is not None and staging_budget_bytes < 0:
             raise ValueError(f"staging_budget_bytes must be >= 0, got {staging_budget_bytes}")

@@ -4,7 +4,9 @@
     submit(step) -> a background thread: UPLOADING -> copy, read back, verify -> manifest
         -> HELD (recorded) -> retention in the mirror (mirror_keep_last) -> REMOVED rows
 
-The copy never blocks a save: one thread, one pending step, newest wins (a step
+A new Checkpointer submits the newest local step at start, so a copy that a killed
+or disconnected run left unfinished is redone (a mirror that holds it already is only
+checked). The copy never blocks a save: one thread, one pending step, newest wins (a step
 committed while an older one waits replaces it, so a slow or down mirror falls behind
 by skipping steps, never by queueing memory or holding the local tier). A failed copy
 is retried `retries` times with backoff, then logged as an error and recorded FAILED;
