@@ -334,3 +334,16 @@ def test_kill_during_the_mirror_upload(s3_server, s3_bucket, job, tmp_path):
         assert not cp._mirror.failures
     assert steps_of(mirror) == [1, 2]
     assert_same(ckpt.load({}, mirror, step=2).state, want)
+
+
+def test_the_default_checkpointer_takes_a_mirror(mem_mirror, job):
+    cp = ckpt.init(job, mirror=mem_mirror, mirror_keep_last=1)
+    try:
+        for s in (1, 2):
+            ckpt.save(state_for(s), step=s)
+            ckpt.wait()
+            assert cp._mirror is not None and cp._mirror.wait(30)
+    finally:
+        cp.close()
+    assert steps_of(job) == [1, 2]
+    assert steps_of(mem_mirror) == [2]
