@@ -46,13 +46,6 @@ class TestS3Storage(StorageContract):
         storage.remove_tree("t")
         assert not storage.exists("t")
 
-    def test_create_only_refuses_to_replace(self, storage, s3_server):
-        storage.create_only("c/MANIFEST.json", b"first")
-        with pytest.raises(ckpt.CheckpointExists) as ei:
-            storage.create_only("c/MANIFEST.json", b"second")
-        assert "c/MANIFEST.json" in str(ei.value)
-        assert storage.read_bytes("c/MANIFEST.json", limit=100) == b"first"
-
     def test_create_only_is_the_servers_check(self, storage, s3_server, s3_bucket):
         # The object appears between our (absent) check and the PUT: only the server's
         # If-None-Match can refuse it. Another client writes it directly.

@@ -9,8 +9,8 @@ An object PUT (and a completed multipart upload) is atomic: readers see the whol
 or none, so `write_atomic` is one PUT there; on other fsspec filesystems it is
 write-to-temporary then move. The manifest is written last with `create_only`: S3's
 `If-None-Match: *` (s3fs `mode="create"`) refuses to replace an existing manifest
-atomically; memory:// does the same in-process; other stores fall back to fsspec's
-exists-check-then-write (racy between two writers; see docs/tiers.md).
+atomically; memory:// does the same in-process; other stores (gs://, ...) fall back to
+an exists check, then the write (racy between two writers; see docs/tiers.md).
 
 Object stores have no empty directories: `makedirs` creates nothing there, and a prefix
 exists only while an object lies under it. Listings are not cached (another process, or
@@ -174,11 +174,10 @@ class FsspecStorage(Storage):
             raise StorageError(f"write of {self.url}/{path} failed: {e}") from e
 
     def create_only(self, path: str, data: bytes) -> None:
-        if self.native_create_only or self.object_store:
-            # S3: If-None-Match: *. Other object stores: fsspec checks, then writes (racy).
+        if self.native_create_only:  # S3: If-None-Match: *; memory: open(mode="xb")
             self.upload(path, data, create_only=True)
             return
-        super().create_only(path, data)
+        super().create_only(path, data)  # others (gs://...): check, then write (racy)
 
     def read_bytes(self, path: str, *, limit: int) -> bytes:
         n = self.size(path)
