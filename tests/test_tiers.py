@@ -21,6 +21,7 @@ import textwrap
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -347,3 +348,60 @@ def test_the_default_checkpointer_takes_a_mirror(mem_mirror, job):
         cp.close()
     assert steps_of(job) == [1, 2]
     assert steps_of(mem_mirror) == [2]
+
+
+def _spawn(phase: str, job: str, mirror: str, out: str, world: int = 2) -> list[dict[str, Any]]:
+    import multiprocessing as mp
+
+    from coordinator_fixtures import free_port
+    from ranks import tier_worker
+
+    os.makedirs(out, exist_ok=True)
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=tier_worker.spawn_entry,
+            args=(r, world, port, phase, job, mirror, out),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+        p.join(10)
+    logs = "\n".join(
+        f"--- rank {r}\n{Path(out, f'rank{r}.log').read_text(errors='replace')}"
+        for r in range(world)
+        if Path(out, f"rank{r}.log").exists()
+    )
+    assert not hung, f"{phase}: ranks hung:\n{logs}"
+    results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    assert all(r["error"] is None for r in results), logs
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_agree_on_the_mirror_copy(tmp_path):
+    job, mirror = str(tmp_path / "job"), str(tmp_path / "mirror")
+    saved = _spawn("save", job, mirror, str(tmp_path / "save"))
+    assert saved[0]["mirror_failures"] == {}
+    assert steps_of(mirror) == [1, 2]
+    # Only rank 1's shard is damaged: rank 0's reads succeed, rank 1's fail; both must
+    # move to the mirror's copy of step 2 together.
+    path = os.path.join(job, layout.step_dir(2), layout.shard_name(1))
+    with open(path, "r+b") as f:
+        f.seek(32)
+        b = f.read(1)
+        f.seek(32)
+        f.write(bytes([b[0] ^ 0x01]))
+    resumed = _spawn("resume", job, mirror, str(tmp_path / "resume"))
+    assert [(r["step"], r["exact"]) for r in resumed] == [(2, True), (2, True)]
+    assert ckfmt.quarantine_reason(open_storage(job), 2) is not None
+    assert ckfmt.quarantine_reason(open_storage(mirror), 2) is None

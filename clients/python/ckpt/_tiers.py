@@ -79,17 +79,21 @@ def load_tiered(
     on_quarantine: Callable[[str, int, str], None] | None = None,
 ) -> LoadResult:
     held = holders(tiers)
-    steps = [step] if step is not None else sorted(held, reverse=True)
-    if not steps:
+    # The ranks agree on every step and every copy they try (a rank may already see a
+    # quarantine marker another rank wrote; a load by explicit step ignores markers, so
+    # trying a copy that any rank still sees as committed is safe on all of them).
+    current = step if step is not None else _reduce_max(max(held, default=-1))
+    if current < 0:
         ckfmt.resolve_step(tiers[0][1], None)  # raises CheckpointNotFound with the details
     failures: list[str] = []
     first_error: CkptError | None = None
-    for at in steps:
-        names = held.get(at, [])
-        if step is not None and not names:
-            names = [n for n, _ in tiers]  # an explicit step: let each tier say why not
-        for name in names:
-            st = dict(tiers)[name]
+    while current >= 0:
+        at = current
+        for name, st in tiers:
+            # An explicit step: every tier is asked, so each says why not.
+            present = step is not None or name in held.get(at, [])
+            if not _reduce_max(int(present)):
+                continue
             error: BaseException | None = None
             try:
                 res = load_checkpoint(
@@ -139,6 +143,9 @@ def load_tiered(
                 else "COULD NOT BE READ",
                 reason,
             )
+        if step is not None:
+            break
+        current = _reduce_max(max((s for s in held if s < at), default=-1))
     kind = type(first_error) if first_error is not None else CheckpointNotFound
     raise kind(
         f"no copy of {'step ' + str(step) if step is not None else 'any committed step'} "
