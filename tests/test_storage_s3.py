@@ -102,6 +102,22 @@ def test_s3_save_load_verify_roundtrip(s3_bucket, run_ckptctl, ckptctl):
         ckpt.load({}, url, step=3)
 
 
+def test_checkpointer_on_s3(s3_bucket, tmp_path, monkeypatch):
+    # The embedded coordinator's catalog cannot live in the bucket: a local directory.
+    monkeypatch.setenv("CKPTD_CATALOG_DIR", str(tmp_path / "catalogs"))
+    url = f"s3://{s3_bucket}/runs/job"
+    with ckpt.Checkpointer(url, keep_last=2) as cp:
+        for s in (1, 2, 3):
+            r = cp.save(state_for(s), s).wait()  # asynchronous, committed by the coordinator
+            assert r is not None and r.path == f"{url}/{layout.step_dir(s)}"
+    assert [s.step for s in ckfmt.list_steps(open_storage(url))] == [2, 3]
+    assert list((tmp_path / "catalogs").glob("*/catalog.sqlite"))
+    target = {"model": {"w": torch.zeros(3000), "b": torch.zeros(5, dtype=torch.bfloat16)}}
+    with ckpt.Checkpointer(url) as cp:
+        assert cp.resume(target, strict=False) == 3
+    assert_same(target["model"], state_for(3)["model"])
+
+
 _UPLOADER = textwrap.dedent(
     """
     import sys, torch, ckpt
