@@ -1,7 +1,8 @@
 """The mirror tier against its limits, in one run: local save, upload, read-back verify.
 
 Starts moto's S3 server on 127.0.0.1 (as the tests do), saves a random state locally
-(ckpt.save, verify="full"), then copies the committed step to s3:// with
+(ckpt.save, verify="full") and straight to s3:// (the same, shard uploaded in parts and
+read back), then copies the committed local step to s3:// with
 ckptd.format.mirror.mirror_step (bulk put + read back + hash) and compares with the
 limits measured in the same run: a bare s3fs `put` of the same shard file and a bare
 `cat` (download) of it. moto is a Python server on the same machine, so absolute GB/s say
@@ -68,6 +69,9 @@ def main() -> None:
             times.setdefault("mirror: whole copy", []).append(time.perf_counter() - t)
             times.setdefault("mirror: upload", []).append(res.upload_s)
             times.setdefault("mirror: read back + verify", []).append(res.verify_s)
+            t = time.perf_counter()
+            ckpt.save(state, f"s3://{bucket}/direct", step=1)
+            times.setdefault("s3 save (verify=full)", []).append(time.perf_counter() - t)
             shard = os.path.join(job, layout.step_dir(1), layout.shard_name(0))
             key = f"{bucket}/raw.bin"
             t = time.perf_counter()
