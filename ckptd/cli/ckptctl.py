@@ -74,8 +74,25 @@ def _emit_json(args: argparse.Namespace, doc: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- commands
 
 
+def _tiers_of(storage: Storage, args: argparse.Namespace) -> dict[int, list[str]] | None:
+    """With --mirror: for each step, the tiers whose copy is committed ("local", "mirror")."""
+    if not getattr(args, "mirror", None):
+        return None
+    held: dict[int, list[str]] = {}
+    for name, st in (("local", storage), ("mirror", open_storage(args.mirror))):
+        for step in ckfmt.committed_steps(st):
+            held.setdefault(step, []).append(name)
+    return held
+
+
 def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
+    tiers = _tiers_of(storage, args)
     steps = ckfmt.list_steps(storage)
+    if tiers is not None:
+        # Steps only the mirror holds are listed too (as the mirror sees them).
+        local = {s.step for s in steps}
+        mirror = [s for s in ckfmt.list_steps(open_storage(args.mirror)) if s.step not in local]
+        steps = sorted(steps + mirror, key=lambda s: s.step)
     if args.json:
         _emit_json(
             args,
@@ -89,6 +106,7 @@ def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
                         "world_size": s.manifest.world_size if s.manifest else None,
                         "created_unix": s.manifest.created_unix if s.manifest else None,
                         "error": s.error,
+                        **({"tiers": tiers.get(s.step, [])} if tiers is not None else {}),
                     }
                     for s in steps
                 ],
@@ -113,7 +131,12 @@ def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
             )
         else:
             rows.append([str(s.step), s.status, "-", "-", s.error or ""])
-    _print_table(rows, ["STEP", "STATUS", "SIZE", "RANKS", "CREATED"])
+    header = ["STEP", "STATUS", "SIZE", "RANKS", "CREATED"]
+    if tiers is not None:
+        for row, s in zip(rows, steps, strict=True):
+            row.insert(2, ",".join(tiers.get(s.step, [])) or "-")
+        header.insert(2, "TIERS")
+    _print_table(rows, header)
     for s in steps:
         if s.status == ckfmt.QUARANTINED:
             print(f"step {s.step} is quarantined (loads without a step skip it): {s.error}")
@@ -643,6 +666,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="ask a running coordinator (shows OPEN and ABORTED saves too)",
     )
     sp.add_argument("--token", help="coordinator token (default $CKPTD_TOKEN)")
+    sp.add_argument(
+        "--mirror",
+        metavar="URL",
+        help="the job's mirror tier (e.g. s3://bucket/job): show which tiers hold each step",
+    )
     sp = add("inspect", "show a committed step's manifest and tensors")
     sp.add_argument("--step", type=int, help="step (default: newest committed)")
     sp = add("verify", "check sizes and blake3 hashes of committed steps")

@@ -47,6 +47,9 @@ log = logging.getLogger("ckptd.coordinator")
 
 OPEN, COMMITTING, COMMITTED, ABORTED = "OPEN", "COMMITTING", "COMMITTED", "ABORTED"
 QUARANTINED = "QUARANTINED"  # committed, then failed verification when loaded
+# What a mirror tier holds of a step (catalog table `tiers`).
+TIER_UPLOADING, TIER_HELD, TIER_FAILED, TIER_REMOVED = "UPLOADING", "HELD", "FAILED", "REMOVED"
+TIER_STATUSES = frozenset({TIER_UPLOADING, TIER_HELD, TIER_FAILED})
 MAX_PLAN_CHUNKS_PER_PART = 20_000
 MAX_WORLD_SIZE = layout.MAX_RANK + 1
 
@@ -751,6 +754,29 @@ class Coordinator:
         rec = self.catalog.save(name, step)
         assert rec is not None
         return rec
+
+    async def record_tier(
+        self, job: str, step: int, tier: str, url: str, status: str, reason: str = ""
+    ) -> None:
+        """Record what a tier (a mirror) holds of a step; status REMOVED deletes the record.
+
+        The client that copies a committed step to a mirror reports each transition
+        (UPLOADING, HELD, FAILED, REMOVED); storage stays the truth (a mirror's step is
+        committed when its manifest is there), this is the catalog's view for listing.
+        """
+        name = self.job_name(job)
+        if status == TIER_REMOVED:
+            await self.catalog.write(
+                "DELETE FROM tiers WHERE job=? AND step=? AND tier=?", (name, step, tier)
+            )
+            return
+        if status not in TIER_STATUSES:
+            raise InvalidRequest(f"job {name!r} step {step}: unknown tier status {status!r}")
+        await self.catalog.write(
+            "INSERT OR REPLACE INTO tiers (job, step, tier, url, status, reason, updated_unix) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (name, step, tier, url, status, reason[:4000], now()),
+        )
 
     # -- aborts, leases, retention -----------------------------------------------------
     def _newest_generation(self, job: str) -> int | None:

@@ -312,7 +312,8 @@ def commit(storage: Storage, m: Manifest) -> bytes:
             f"world size is {m.world_size}; refusing to commit"
         )
     data = m.to_bytes()
-    storage.write_atomic(f"{layout.step_dir(m.step)}/{layout.MANIFEST_NAME}", data)
+    # Create-only: a manifest is never replaced (atomically so where the store offers it).
+    storage.create_only(f"{layout.step_dir(m.step)}/{layout.MANIFEST_NAME}", data)
     return data
 
 

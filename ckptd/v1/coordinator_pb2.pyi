@@ -221,3 +221,23 @@ class QuarantineRequest(_message.Message):
     step: int
     reason: str
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RecordTierRequest(_message.Message):
+    __slots__ = ("job", "step", "tier", "url", "status", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    tier: str
+    url: str
+    status: str
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., tier: _Optional[str] = ..., url: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RecordTierResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

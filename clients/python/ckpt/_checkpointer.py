@@ -30,9 +30,11 @@ from ckpt import _hooks, _resume, _world
 from ckpt._api import LoadResult, SaveResult, _check_metadata, log_saved
 from ckpt._embedded import EmbeddedCoordinator
 from ckpt._flatten import flatten
+from ckpt._mirror import MirrorUploader
 from ckpt._pending import PendingSave
 from ckpt._restore import load_checkpoint
 from ckpt._staging import HostImage, stage
+from ckpt._tiers import load_tiered
 from ckpt._transport import CoordinatorClient
 from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
@@ -48,7 +50,7 @@ from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
 from ckptd.format.writer import ShardWriter, ShardWriteStats, WriteItem, hash_items, plan_offsets
-from ckptd.storage import open_storage
+from ckptd.storage import Storage, open_storage
 
 log = logging.getLogger("ckpt")
 
@@ -60,6 +62,12 @@ class Checkpointer:
     coordinator: "host:port" of a `ckptd serve`; default $CKPTD_ADDRESS, else zero-config
         (this process, or rank 0 under torchrun, hosts one).
     keep_last: keep the newest N committed steps (None: keep all).
+    mirror: a second tier (an fsspec URL such as "s3://bucket/job", a path, or a Storage
+        built with its own options, e.g. FsspecStorage(url, endpoint_url=...)): each
+        committed step is copied there in the background, read back and verified, and
+        committed there too (ckpt._mirror); loads fall back to it (ckpt._tiers).
+    mirror_keep_last: retention in the mirror (None: keep all); independent of keep_last.
+    mirror_close_timeout_s: how long close() waits for the last copy to the mirror.
     attempt: names this launch of the job (see ckpt._world); older attempts are fenced.
     save_on_preemption: install handlers for `preemption_signals` (default SIGTERM and
         SIGUSR1) that only note the signal; the next maybe_save() finishes the save in
@@ -87,6 +95,9 @@ class Checkpointer:
         save_on_preemption: bool = False,
         preemption_signals: Sequence[int] = _hooks.DEFAULT_SIGNALS,
         exit_on_preemption: bool = True,
+        mirror: str | os.PathLike[str] | Storage | None = None,
+        mirror_keep_last: int | None = None,
+        mirror_close_timeout_s: float = 600.0,
     ):
         if verify not in ("full", "size"):
             raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
@@ -94,6 +105,8 @@ class Checkpointer:
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        if mirror_keep_last is not None and mirror_keep_last < 1:
+            raise ValueError(f"mirror_keep_last must be at least 1, got {mirror_keep_last}")
         if save_on_preemption:
             _hooks.check_main_thread()  # before anything is started that would need closing
         p = os.fspath(path)
@@ -119,6 +132,29 @@ class Checkpointer:
         self.attempt = attempt
         self.generation, self.job_name = self.client.open_job(self.path, attempt)
         self.storage = open_storage(self.path, create=True)
+        self.mirror_storage = (
+            mirror
+            if mirror is None or isinstance(mirror, Storage)
+            else open_storage(mirror, create=True)
+        )
+        self.mirror_close_timeout_s = mirror_close_timeout_s
+        self._mirror = (
+            MirrorUploader(
+                self.storage,
+                self.mirror_storage,
+                job=self.path,
+                keep_last=mirror_keep_last,
+                record=self._record_mirror,
+            )
+            if self.mirror_storage is not None and self.rank == 0
+            else None
+        )
+        if self._mirror is not None:
+            # Catch up: a copy a previous run did not finish (killed, mirror down) is
+            # redone; the thread finds out whether the mirror has it (then nothing moves).
+            newest = ckfmt.latest_step(self.storage)
+            if newest is not None:
+                self._mirror.submit(newest)
         self.on_error = on_error
         if staging_budget_bytes is not None and staging_budget_bytes < 0:
             raise ValueError(f"staging_budget_bytes must be >= 0, got {staging_budget_bytes}")
@@ -339,6 +375,8 @@ class Checkpointer:
         )
         log_saved(result, f"job {self.path!r} step {job.step} rank {self.rank}/{self.world_size}")
         pending._finish(result, None)
+        if self._mirror is not None:
+            self._mirror.submit(job.step)  # committed locally: now the copy to the mirror
 
     def _persist_steps(self, job: _SaveJob, pending: PendingSave, t0: float) -> SaveResult:
         step, items = job.step, job.items
@@ -514,6 +552,18 @@ class Checkpointer:
         every rank of an initialized process group must call this (they agree on the step).
         """
         self._check_open()
+        if self.mirror_storage is not None:
+            return load_tiered(
+                self.tiers,
+                state,
+                step=step,
+                strict=strict,
+                keys=keys,
+                cast=cast,
+                rank=self.rank,
+                on_quarantine=self._tier_quarantined,
+                catalog_blake3=self._catalog_blake3,
+            )
         return load_checkpoint(
             self.storage,
             state,
@@ -546,6 +596,27 @@ class Checkpointer:
             )
             return None
         return info.manifest_blake3 or None
+
+    @property
+    def tiers(self) -> list[tuple[str, Any]]:
+        """(name, Storage) of each tier, nearest first: "local" (the job's path), "mirror"."""
+        out: list[tuple[str, Any]] = [("local", self.storage)]
+        if self.mirror_storage is not None:
+            out.append(("mirror", self.mirror_storage))
+        return out
+
+    def _tier_quarantined(self, tier: str, step: int, reason: str) -> None:
+        if tier == "local":
+            self._quarantined(step, reason)
+        else:
+            self._record_mirror(step, "FAILED", f"quarantined: {reason}")
+
+    def _record_mirror(self, step: int, status: str, reason: str) -> None:
+        """The coordinator's catalog records what the mirror holds (RecordTier)."""
+        if self.mirror_storage is not None:
+            self.client.record_tier(
+                self.path, step, "mirror", self.mirror_storage.url, status, reason
+            )
 
     def _quarantined(self, step: int, reason: str) -> None:
         """A load found `step` corrupt: record it in the coordinator's catalog too."""
@@ -686,6 +757,8 @@ class Checkpointer:
             p = self._inflight
             if p is not None:
                 p._done.wait()
+            if self._mirror is not None:
+                self._mirror.close(self.mirror_close_timeout_s)
             self._wait_for_peers()
             self._closed = True
             self._worker.shutdown(wait=True)

@@ -190,6 +190,14 @@ class CoordinatorClient:
         req = pb.QuarantineRequest(job=job, step=step, reason=reason[:4000])
         return self._call(f"job {job!r} step {step}", self._stub.Quarantine, req, timeout_s=30)
 
+    def record_tier(
+        self, job: str, step: int, tier: str, url: str, status: str, reason: str = ""
+    ) -> None:
+        req = pb.RecordTierRequest(
+            job=job, step=step, tier=tier, url=url, status=status, reason=reason[:4000]
+        )
+        self._call(f"job {job!r} step {step} tier {tier}", self._stub.RecordTier, req)
+
 
 def _what(ref: SaveRef) -> str:
     return f"job {ref.job!r} step {ref.step} rank {ref.rank}/{ref.world_size} generation {ref.generation}"
