@@ -5,6 +5,7 @@ disk hits all of them):
   limits  memcpy, raw write+fsync (buffered / O_DIRECT, new / preallocated / overwritten
           file), raw cold read (buffered / O_DIRECT), blake3
   peers   torch.save/load(mmap), safetensors, torch.distributed.checkpoint (DCP)
+  DCP through ckptd  DCP's save/load with ckpt.integrations.dcp's StorageWriter/Reader
   ckpt    save(verify=size), save(size, preallocate), save(verify=full), load, verify
 and prints median GB/s (GB = 1e9 bytes) with the min-max spread, then ckpt's ratios to
 the limits and peers, each a ratio of medians of this run. Every save is durable (fsync);
@@ -389,6 +390,58 @@ def dcp_load(b: Bench) -> float:
     return clk.s
 
 
+# -- DCP through ckptd (ckpt.integrations.dcp): DCP's planning, ckptd's storage + commit --
+def _dcp_ckptd_job(b: Bench) -> Path:
+    """One job for every repetition, its coordinator started (untimed) before the first
+    save, as in a training job; each save is a new step."""
+    job = b.work / "dcp-ckptd"
+    if "dcp_ckptd_step" not in b.notes:
+        from ckpt.integrations import _coordinator
+
+        _coordinator.connect(str(job.resolve()), address=None, token=None, attempt=None)
+        b.notes["dcp_ckptd_step"] = 0
+    return job
+
+
+def dcp_ckptd_save(b: Bench, verify: str = "full") -> float:
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt.integrations.dcp import StorageWriter
+
+    job = _dcp_ckptd_job(b)
+    step = b.notes["dcp_ckptd_step"] = b.notes["dcp_ckptd_step"] + 1
+    with Clock(b) as clk:
+        writer = StorageWriter(job, step=step, verify=verify)
+        dcp.save(b.state, storage_writer=writer, no_dist=True)
+    if verify == "full":  # the load reads this one
+        b.outputs["dcp-ckptd"] = job / f"step-{step:012d}"
+    else:
+        C.remove(job / f"step-{step:012d}")
+    return clk.s
+
+
+method("dcp through ckptd", "DCP through ckptd save (verify=size)")(
+    lambda b: dcp_ckptd_save(b, "size")
+)
+method("dcp through ckptd", "DCP through ckptd save (verify=full)")(dcp_ckptd_save)
+
+
+@method("dcp through ckptd", "DCP through ckptd load")
+def dcp_ckptd_load(b: Bench) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt.integrations.dcp import StorageReader
+
+    step_dir = b.need("dcp-ckptd", dcp_ckptd_save)
+    b.poison()
+    step = int(step_dir.name.split("-")[1])
+    with Clock(b) as clk:
+        dcp.load(b.dst, storage_reader=StorageReader(step_dir.parent, step=step), no_dist=True)
+    b.check()
+    C.remove(b.outputs.pop("dcp-ckptd"))
+    return clk.s
+
+
 # -- ckpt -----------------------------------------------------------------------------------
 def ckpt_save(b: Bench, verify: str, key: str | None = None, **kw: Any) -> float:
     import ckpt
@@ -546,6 +599,9 @@ def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
     load = med.get("ckpt load", nan)
     ver = med.get("ckptctl verify --level full", nan)
     dcp_save, dcp_load = med.get("DCP save, 2 threads", nan), med.get("DCP load", nan)
+    dcp_ckptd_size = med.get("DCP through ckptd save (verify=size)", nan)
+    dcp_ckptd_save = med.get("DCP through ckptd save (verify=full)", nan)
+    dcp_ckptd_load = med.get("DCP through ckptd load", nan)
     falloc = med.get("raw write fallocated file, O_DIRECT, 2 thr", nan)
     overwrite = med.get("raw write overwrite blocks, O_DIRECT, 2 thr", nan)
     rows = [
@@ -560,6 +616,10 @@ def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
         ("ckpt load / best raw O_DIRECT cold read", load, direct_read, 0.8),
         ("ckpt load / DCP load", load, dcp_load, 1.5),
         ("ckptctl verify full / min(cold read, blake3 2 thr)", ver, verify_floor, 0.8),
+        # The cost of hashing + a verified commit on top of DCP's own planning (info).
+        ("DCP-through-ckptd save(size) / DCP save", dcp_ckptd_size, dcp_save, None),
+        ("DCP-through-ckptd save(full) / DCP save", dcp_ckptd_save, dcp_save, None),
+        ("DCP-through-ckptd load / DCP load", dcp_ckptd_load, dcp_load, None),
     ]
     return C.ratio_verdicts(rows)
 

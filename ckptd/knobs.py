@@ -62,6 +62,11 @@ class Knobs:
     max_manifest_bytes: int = 256 << 20
     max_index_bytes: int = 256 << 20
     max_entries_per_shard: int = 1_000_000
+    # Object stores (s3fs): a shard larger than twice this goes up as a multipart upload
+    # in parts of this size (raised when 10,000 parts would not hold the shard), with
+    # `upload_concurrency` parts in flight per shard. S3's smallest part is 5 MiB.
+    upload_part_size: int = 32 << 20
+    upload_concurrency: int = 8
 
 
 def _from_env() -> Knobs:
@@ -79,6 +84,8 @@ def _from_env() -> Knobs:
         max_manifest_bytes=_env_int("CKPT_MAX_MANIFEST_BYTES", d.max_manifest_bytes),
         max_index_bytes=_env_int("CKPT_MAX_INDEX_BYTES", d.max_index_bytes),
         max_entries_per_shard=_env_int("CKPT_MAX_ENTRIES_PER_SHARD", d.max_entries_per_shard),
+        upload_part_size=_env_int("CKPT_UPLOAD_PART_SIZE", d.upload_part_size),
+        upload_concurrency=_env_int("CKPT_UPLOAD_CONCURRENCY", d.upload_concurrency),
     )
 
 

@@ -295,7 +295,9 @@ def test_error_codes_stale_and_divergent(server: ServerThread, root: Path) -> No
 # ----------------------------------------------------------------------------- limits
 
 
-def test_oversized_message_is_refused_while_others_work(server: ServerThread, root: Path) -> None:
+def test_oversized_message_is_refused_while_others_work(
+    server: ServerThread, root: Path, tally
+) -> None:
     job = str(root / "job")
     stop = threading.Event()
     normal: list[object] = []
@@ -327,17 +329,20 @@ def test_oversized_message_is_refused_while_others_work(server: ServerThread, ro
             )
             assert big.ByteSize() > 8 << 20
             for _ in range(2):
-                with pytest.raises(grpc.RpcError) as ei:
-                    stub.BeginSave(big, timeout=30, metadata=md)
-                assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                with tally.bad_input("oversized-message"):
+                    with pytest.raises(grpc.RpcError) as ei:
+                        stub.BeginSave(big, timeout=30, metadata=md)
+                    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             # Just under the transport limit, but over the JSON limit: parsed, refused.
             mid = pb.BeginSaveRequest(
                 ref=pb.SaveRef(job=job, step=1, generation=0, rank=0, world_size=1),
                 state=b"1" * (5 << 20),
             )
-            with pytest.raises(grpc.RpcError) as ei:
-                stub.BeginSave(mid, timeout=30, metadata=md)
-            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with tally.bad_input("oversized-json-field"):
+                with pytest.raises(grpc.RpcError) as ei:
+                    stub.BeginSave(mid, timeout=30, metadata=md)
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "state is" in ei.value.details()
             n_before = len(normal)
             time.sleep(0.2)
             assert len(normal) > n_before

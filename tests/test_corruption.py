@@ -151,76 +151,78 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_corruption_is_detected(job, two_steps, ckptctl, case):
+def test_corruption_is_detected(job, two_steps, ckptctl, tally, case):
     # Sanity: both steps are whole before the damage.
     assert ckptctl("verify", job, "--all")[0] == 0
 
-    fname, key, err_type, damaged = CASES[case](job)
+    kind = "tamper:consistent-rewrite" if case.startswith("consistent") else f"corruption:{case}"
+    with tally.bad_input(kind):
+        fname, key, err_type, damaged = CASES[case](job)
 
-    # ckptctl verify: exit 1, names the file (and the key for data damage).
-    rc, out, err = ckptctl("verify", job, "--step", "2")
-    assert rc == 1, (out, err)
-    assert fname in out + err
-    if key is not None:
-        assert repr(key) in out + err or key in out + err
-
-    rc, out, err = ckptctl("verify", job, "--step", "2", "--json")
-    assert rc == 1
-    doc = json.loads(out)
-    assert doc["ok"] is False
-    [report] = doc["steps"]
-    assert report["step"] == 2 and report["ok"] is False
-    assert report["problems"] and any(fname in p for p in report["problems"])
-    if key is not None:
-        assert any(key in p for p in report["problems"])
-
-    # ckpt.load, explicit step and newest without fallback: raises, names the file and key.
-    for kwargs in ({"step": 2}, {"fallback": False}):
-        with pytest.raises(ckpt.CorruptCheckpoint) as ei:
-            ckpt.load({}, job, **kwargs)
-        assert isinstance(ei.value, err_type), type(ei.value)
-        assert fname in str(ei.value)
+        # ckptctl verify: exit 1, names the file (and the key for data damage).
+        rc, out, err = ckptctl("verify", job, "--step", "2")
+        assert rc == 1, (out, err)
+        assert fname in out + err
         if key is not None:
-            assert key in str(ei.value)
+            assert repr(key) in out + err or key in out + err
 
-    # The damaged block never reaches the caller's memory.
-    if damaged is not None:
-        dkey, pos = damaged
-        target = {
-            k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v)
-            for k, v in two_steps[2].items()
-        }
-        with pytest.raises(ckpt.HashMismatch):
-            ckpt.load(target, job, step=2)
-        raw = np.frombuffer(tensor_raw(target[dkey]), dtype=np.uint8)
-        lo = pos - pos % BLOCK
-        assert not raw[lo : lo + BLOCK].any(), (
-            "bytes of the corrupt block were copied into the state"
-        )
+        rc, out, err = ckptctl("verify", job, "--step", "2", "--json")
+        assert rc == 1
+        doc = json.loads(out)
+        assert doc["ok"] is False
+        [report] = doc["steps"]
+        assert report["step"] == 2 and report["ok"] is False
+        assert report["problems"] and any(fname in p for p in report["problems"])
+        if key is not None:
+            assert any(key in p for p in report["problems"])
 
-    # The step before is untouched: verifies and loads bit for bit.
-    rc, out, err = ckptctl("verify", job, "--step", "1")
-    assert rc == 0, (out, err)
-    assert_same(ckpt.load({}, job, step=1).state, two_steps[1])
+        # ckpt.load, explicit step and newest without fallback: raises, names the file and key.
+        for kwargs in ({"step": 2}, {"fallback": False}):
+            with pytest.raises(ckpt.CorruptCheckpoint) as ei:
+                ckpt.load({}, job, **kwargs)
+            assert isinstance(ei.value, err_type), type(ei.value)
+            assert fname in str(ei.value)
+            if key is not None:
+                assert key in str(ei.value)
 
-    # The newest, with fallback (the default): step 1 is loaded, step 2 quarantined, loudly.
-    lr = ckpt.load({}, job)
-    assert lr.step == 1 and lr.fell_back_from == 2 and lr.quarantined == [2]
-    assert lr.fallback_reason is not None and fname in lr.fallback_reason
-    if key is not None:
-        assert key in lr.fallback_reason
-    assert_same(lr.state, two_steps[1])
-    rc, out, _ = ckptctl("list", job, "--json")
-    assert [(s["step"], s["status"]) for s in json.loads(out)["steps"]] == [
-        (1, "COMMITTED"),
-        (2, "QUARANTINED"),
-    ]
+        # The damaged block never reaches the caller's memory.
+        if damaged is not None:
+            dkey, pos = damaged
+            target = {
+                k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v)
+                for k, v in two_steps[2].items()
+            }
+            with pytest.raises(ckpt.HashMismatch):
+                ckpt.load(target, job, step=2)
+            raw = np.frombuffer(tensor_raw(target[dkey]), dtype=np.uint8)
+            lo = pos - pos % BLOCK
+            assert not raw[lo : lo + BLOCK].any(), (
+                "bytes of the corrupt block were copied into the state"
+            )
 
-    # --all sees both.
-    rc, out, _ = ckptctl("verify", job, "--all", "--json")
-    assert rc == 1
-    by_step = {r["step"]: r["ok"] for r in json.loads(out)["steps"]}
-    assert by_step == {1: True, 2: False}
+        # The step before is untouched: verifies and loads bit for bit.
+        rc, out, err = ckptctl("verify", job, "--step", "1")
+        assert rc == 0, (out, err)
+        assert_same(ckpt.load({}, job, step=1).state, two_steps[1])
+
+        # The newest, with fallback (the default): step 1 is loaded, step 2 quarantined, loudly.
+        lr = ckpt.load({}, job)
+        assert lr.step == 1 and lr.fell_back_from == 2 and lr.quarantined == [2]
+        assert lr.fallback_reason is not None and fname in lr.fallback_reason
+        if key is not None:
+            assert key in lr.fallback_reason
+        assert_same(lr.state, two_steps[1])
+        rc, out, _ = ckptctl("list", job, "--json")
+        assert [(s["step"], s["status"]) for s in json.loads(out)["steps"]] == [
+            (1, "COMMITTED"),
+            (2, "QUARANTINED"),
+        ]
+
+        # --all sees both.
+        rc, out, _ = ckptctl("verify", job, "--all", "--json")
+        assert rc == 1
+        by_step = {r["step"]: r["ok"] for r in json.loads(out)["steps"]}
+        assert by_step == {1: True, 2: False}
 
 
 def test_swapped_shards_of_two_steps(job, ckptctl):

@@ -62,17 +62,49 @@ def saved(job: str) -> dict[str, Any]:
     return state
 
 
+# The reliability report's kind for each test's bad inputs (tests/tally.py).
+TALLY_KINDS = {
+    "test_unsafe_shard_and_index_paths": "path-traversal",
+    "test_unsafe_entry_file": "path-traversal",
+    "test_entry_file_pointing_at_another_shard": "path-traversal",
+    "test_traversal_is_refused_before_anything_outside_is_touched": "path-traversal",
+    "test_bad_index_entries": "manifest-bomb",
+    "test_entry_past_end_of_shard": "manifest-bomb",
+    "test_overlapping_entries": "manifest-bomb",
+    "test_duplicate_key_in_index": "manifest-bomb",
+    "test_too_many_entries": "manifest-bomb",
+    "test_oversized_json": "manifest-bomb",
+    "test_deeply_nested_json": "manifest-bomb",
+    "test_state_nested_past_the_node_limit": "manifest-bomb",
+    "test_declared_sizes_not_the_file_sizes": "manifest-bomb",
+}
+_tally: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True)
+def _count_bad_inputs(request: pytest.FixtureRequest, tally: Any) -> Any:
+    _tally.update(tally=tally, kind=TALLY_KINDS.get(request.node.originalname, "manifest-field"))
+    yield
+    _tally.clear()
+
+
+def bad_input(kind: str | None = None) -> Any:
+    """A tally block for one bad input of this test (kind from TALLY_KINDS by default)."""
+    return _tally["tally"].bad_input(kind or _tally["kind"])
+
+
 def expect_rejected(
     job: str, kind: type | tuple[type, ...] = REJECTED, match: str | None = None
 ) -> str:
     """Both the parser-level open and ckpt.load refuse step 1; returns the message."""
-    with pytest.raises(kind) as ei:
-        ckfmt.open_checkpoint(open_storage(job), 1)
-    msg = str(ei.value)
-    if match is not None:
-        assert match in msg, msg
-    with pytest.raises(kind):
-        ckpt.load({}, job, step=1)
+    with bad_input():
+        with pytest.raises(kind) as ei:
+            ckfmt.open_checkpoint(open_storage(job), 1)
+        msg = str(ei.value)
+        if match is not None:
+            assert match in msg, msg
+        with pytest.raises(kind):
+            ckpt.load({}, job, step=1)
     return msg
 
 
@@ -222,6 +254,28 @@ def test_too_many_entries(job, saved):
     # Within the limit it loads.
     with knobs.override(max_entries_per_shard=3):
         assert_same(ckpt.load({}, job).state, saved)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("size", 0),
+        ("size", 2**62),
+        ("size", "file+1"),
+        ("size", "file-4096"),
+        ("index_size", 0),
+        ("index_size", 2**40),
+        ("index_size", "file+1"),
+    ],
+)
+def test_declared_sizes_not_the_file_sizes(job, saved, field, value):
+    """The manifest's sizes are checked against the files before anything is read or
+    allocated; a declared 2**62-byte shard allocates nothing."""
+    path = shard_path(job, 1) if field == "size" else index_path(job, 1)
+    if isinstance(value, str):
+        value = os.path.getsize(path) + int(value[len("file") :])
+    edit_manifest(job, 1, lambda m: shard0(m).__setitem__(field, value))
+    expect_rejected(job, ckpt.CorruptCheckpoint)
 
 
 # ----------------------------------------------------------------------------- manifest fields
@@ -489,11 +543,12 @@ def test_symlinked_shard_is_refused(job, saved, tmp_path, ckptctl):
     shutil.copyfile(shard_path(job, 1), outside)
     os.unlink(shard_path(job, 1))
     os.symlink(outside, shard_path(job, 1))
-    with pytest.raises(ckpt.UnsafePath, match="symlink"):
-        ckpt.load({}, job, step=1)
-    rc, out, err = ckptctl("verify", job, "--step", "1")
-    assert rc == 1
-    assert "rank-00000.bin" in out + err
+    with bad_input("symlink-shard"):
+        with pytest.raises(ckpt.UnsafePath, match="symlink"):
+            ckpt.load({}, job, step=1)
+        rc, out, err = ckptctl("verify", job, "--step", "1")
+        assert rc == 1
+        assert "rank-00000.bin" in out + err
 
 
 def test_symlinked_index_is_refused(job, saved, tmp_path):
@@ -501,8 +556,9 @@ def test_symlinked_index_is_refused(job, saved, tmp_path):
     shutil.copyfile(index_path(job, 1), outside)
     os.unlink(index_path(job, 1))
     os.symlink(outside, index_path(job, 1))
-    with pytest.raises(ckpt.UnsafePath):
-        ckpt.load({}, job, step=1)
+    with bad_input("symlink-shard"):
+        with pytest.raises(ckpt.UnsafePath):
+            ckpt.load({}, job, step=1)
 
 
 def test_symlinked_shards_directory_is_refused(job, saved, tmp_path):
@@ -511,8 +567,9 @@ def test_symlinked_shards_directory_is_refused(job, saved, tmp_path):
     shutil.copytree(shards, outside)
     shutil.rmtree(shards)
     os.symlink(outside, shards)
-    with pytest.raises(ckpt.UnsafePath):
-        ckpt.load({}, job, step=1)
+    with bad_input("symlink-shard"):
+        with pytest.raises(ckpt.UnsafePath):
+            ckpt.load({}, job, step=1)
 
 
 def test_symlinked_step_directory_is_refused(job, saved, tmp_path):
@@ -520,10 +577,11 @@ def test_symlinked_step_directory_is_refused(job, saved, tmp_path):
     shutil.copytree(step_path(job, 1), outside)
     shutil.rmtree(step_path(job, 1))
     os.symlink(outside, step_path(job, 1))
-    with pytest.raises((ckpt.UnsafePath, ckpt.CheckpointNotFound)):
-        ckpt.load({}, job)
-    with pytest.raises(ckpt.UnsafePath):
-        ckpt.load({}, job, step=1)
+    with bad_input("symlink-shard"):
+        with pytest.raises((ckpt.UnsafePath, ckpt.CheckpointNotFound)):
+            ckpt.load({}, job)
+        with pytest.raises(ckpt.UnsafePath):
+            ckpt.load({}, job, step=1)
 
 
 @pytest.mark.timeout(20)
@@ -532,22 +590,24 @@ def test_fifo_posing_as_a_file_is_refused_without_hanging(job, saved, ckptctl, w
     path = shard_path(job, 1) if which == "shard" else index_path(job, 1)
     os.unlink(path)
     os.mkfifo(path)
-    with pytest.raises(ckpt.CorruptCheckpoint):
-        ckpt.load({}, job, step=1)
-    rc, out, err = ckptctl("verify", job, "--step", "1")
-    assert rc == 1
-    assert os.path.basename(path) in out + err
+    with bad_input("fifo-shard"):
+        with pytest.raises(ckpt.CorruptCheckpoint):
+            ckpt.load({}, job, step=1)
+        rc, out, err = ckptctl("verify", job, "--step", "1")
+        assert rc == 1
+        assert os.path.basename(path) in out + err
 
 
 @pytest.mark.timeout(20)
 def test_fifo_posing_as_manifest_does_not_hang(job, saved, ckptctl):
     os.unlink(manifest_path(job, 1))
     os.mkfifo(manifest_path(job, 1))
-    with pytest.raises(ckpt.CkptError):
-        ckpt.load({}, job, step=1)
-    with pytest.raises(ckpt.CheckpointNotFound):
-        ckpt.load({}, job)
-    assert ckptctl("verify", job, "--all")[0] == 1
+    with bad_input("fifo-shard"):
+        with pytest.raises(ckpt.CkptError):
+            ckpt.load({}, job, step=1)
+        with pytest.raises(ckpt.CheckpointNotFound):
+            ckpt.load({}, job)
+        assert ckptctl("verify", job, "--all")[0] == 1
 
 
 # ----------------------------------------------------------------------------- fuzz
@@ -562,11 +622,12 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"job": job, "manifest": mbytes, "index": ibytes, "m": parse_manifest(mbytes)}
 
 
-def _only_ckpt_errors(fn: Callable[[], Any]) -> None:
-    try:
-        fn()
-    except CkptError:
-        pass  # InvalidManifest, UnsafePath, ...: a refusal, as it should be
+def _only_ckpt_errors(fn: Callable[[], Any], kind: str = "manifest-fuzz") -> None:
+    with bad_input(kind):
+        try:
+            fn()
+        except CkptError:
+            pass  # InvalidManifest, UnsafePath, ...: a refusal, as it should be
 
 
 def mutate_bytes(data: bytes, edits: list[tuple[int, int, int]]) -> bytes:
@@ -644,7 +705,8 @@ def test_fuzz_random_json(real, doc):
     _only_ckpt_errors(lambda: parse_manifest(data))
     m = real["m"]
     _only_ckpt_errors(
-        lambda: parse_index(data, manifest=m, shard=m.shards[0], max_entries=10, what="x")
+        lambda: parse_index(data, manifest=m, shard=m.shards[0], max_entries=10, what="x"),
+        "index-fuzz",
     )
 
 
@@ -665,7 +727,8 @@ def test_fuzz_index_fields(real, data, value):
     raw = json.dumps(replace_at(doc, path, value)).encode()
     m = real["m"]
     _only_ckpt_errors(
-        lambda: parse_index(raw, manifest=m, shard=m.shards[0], max_entries=10, what="x")
+        lambda: parse_index(raw, manifest=m, shard=m.shards[0], max_entries=10, what="x"),
+        "index-fuzz",
     )
 
 
@@ -691,7 +754,7 @@ def test_fuzz_load_end_to_end(real, tmp_path, data, value, edits, which):
             write_index_consistently(job, 1, json.dumps(replace_at(doc, path, value)).encode())
         else:
             write_index_consistently(job, 1, mutate_bytes(real["index"], edits))
-        _only_ckpt_errors(lambda: ckpt.load({}, job, step=1))
+        _only_ckpt_errors(lambda: ckpt.load({}, job, step=1), f"{which.split('-')[0]}-fuzz")
     finally:
         shutil.rmtree(job)
 

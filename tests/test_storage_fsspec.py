@@ -187,6 +187,14 @@ class StorageContract:
         assert storage.exists("a/b/f.json") and storage.exists("a/b")
         assert storage.listdir("a/b") == ["f.json"]
 
+    def test_create_only_never_replaces(self, storage):
+        storage.makedirs("c")
+        storage.create_only("c/MANIFEST.json", b"first")
+        with pytest.raises(ckpt.CheckpointExists) as ei:
+            storage.create_only("c/MANIFEST.json", b"second")
+        assert "c/MANIFEST.json" in str(ei.value)
+        assert storage.read_bytes("c/MANIFEST.json", limit=100) == b"first"
+
     def test_read_bytes_limit(self, storage):
         storage.makedirs("d")
         storage.write_atomic("d/big", b"x" * 100)

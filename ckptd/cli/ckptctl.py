@@ -1,8 +1,11 @@
-"""ckptctl: list, inspect, verify, restore and garbage-collect checkpoints, from storage alone.
+"""ckptctl: list, inspect, verify, diff, restore and garbage-collect checkpoints, from storage alone.
 
-Exit codes: 0 all good, 1 a problem was found (corrupt, missing, no checkpoint),
-2 usage error. `--json` prints one JSON document on stdout; human text and progress bars
-go to stderr/stdout as usual, progress only when stderr is a terminal.
+Exit codes: 0 all good, 1 a problem was found (corrupt, missing, no checkpoint; `diff
+--exit-code`: the steps differ), 2 usage error. `--json` prints exactly one JSON document on
+stdout, also on failure ({"command", "path", "ok": false, "error"}); every document has
+"command", "path" and "ok" (docs/cli.md has each command's schema). Human text goes to
+stdout, errors to stderr; progress bars go to stderr, only when it is a terminal and never
+with --json.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from ckptd.storage import Storage, open_storage
 OK, PROBLEM, USAGE = 0, 1, 2
 
 
+class UsageError(Exception):
+    """Arguments that parse but make no sense together: exit code 2."""
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -31,8 +38,23 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+def human_seconds(s: float) -> str:
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        return f"{int(s // 60)} min {int(s % 60):02d} s"
+    if s < 86400:
+        return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
+    return f"{int(s // 86400)} d {int(s % 86400 // 3600):02d} h"
+
+
 def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    """Local time and age: '2026-11-30 08:53:44 (3 h 05 min ago)'."""
+    age = time.time() - ts
+    ago = f" ({human_seconds(age)} ago)" if age >= 0 else ""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) + ago
 
 
 def _print_table(rows: list[list[str]], header: list[str]) -> None:
@@ -42,18 +64,38 @@ def _print_table(rows: list[list[str]], header: list[str]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
-def _emit_json(doc: Any) -> None:
-    json.dump(doc, sys.stdout, indent=2)
+def _emit_json(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    """The one JSON document of a --json run; every one has command, path and ok."""
+    head = {"command": args.command, "path": doc.pop("path", args.path), "ok": doc.pop("ok", True)}
+    json.dump({**head, **doc}, sys.stdout, indent=2)
     sys.stdout.write("\n")
 
 
 # --------------------------------------------------------------------------- commands
 
 
+def _tiers_of(storage: Storage, args: argparse.Namespace) -> dict[int, list[str]] | None:
+    """With --mirror: for each step, the tiers whose copy is committed ("local", "mirror")."""
+    if not getattr(args, "mirror", None):
+        return None
+    held: dict[int, list[str]] = {}
+    for name, st in (("local", storage), ("mirror", open_storage(args.mirror))):
+        for step in ckfmt.committed_steps(st):
+            held.setdefault(step, []).append(name)
+    return held
+
+
 def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
+    tiers = _tiers_of(storage, args)
     steps = ckfmt.list_steps(storage)
+    if tiers is not None:
+        # Steps only the mirror holds are listed too (as the mirror sees them).
+        local = {s.step for s in steps}
+        mirror = [s for s in ckfmt.list_steps(open_storage(args.mirror)) if s.step not in local]
+        steps = sorted(steps + mirror, key=lambda s: s.step)
     if args.json:
         _emit_json(
+            args,
             {
                 "path": storage.url,
                 "steps": [
@@ -64,10 +106,11 @@ def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
                         "world_size": s.manifest.world_size if s.manifest else None,
                         "created_unix": s.manifest.created_unix if s.manifest else None,
                         "error": s.error,
+                        **({"tiers": tiers.get(s.step, [])} if tiers is not None else {}),
                     }
                     for s in steps
                 ],
-            }
+            },
         )
         return OK
     if not steps:
@@ -88,7 +131,12 @@ def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
             )
         else:
             rows.append([str(s.step), s.status, "-", "-", s.error or ""])
-    _print_table(rows, ["STEP", "STATUS", "SIZE", "RANKS", "CREATED"])
+    header = ["STEP", "STATUS", "SIZE", "RANKS", "CREATED"]
+    if tiers is not None:
+        for row, s in zip(rows, steps, strict=True):
+            row.insert(2, ",".join(tiers.get(s.step, [])) or "-")
+        header.insert(2, "TIERS")
+    _print_table(rows, header)
     for s in steps:
         if s.status == ckfmt.QUARANTINED:
             print(f"step {s.step} is quarantined (loads without a step skip it): {s.error}")
@@ -115,11 +163,12 @@ def cmd_list_coordinator(args: argparse.Namespace) -> int:
             "bytes": i.bytes,
             "reason": i.reason,
             "created_unix": i.created_unix,
+            "manifest_blake3": i.manifest_blake3,
         }
         for i in infos
     ]
     if args.json:
-        _emit_json({"path": args.path, "coordinator": args.coordinator, "steps": rows})
+        _emit_json(args, {"path": args.path, "coordinator": args.coordinator, "steps": rows})
         return OK
     if not rows:
         print(f"{args.path}: no saves known to {args.coordinator}")
@@ -162,6 +211,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     plain = sum(1 for leaf in values.leaves(m.state) if values.tensor_ref(leaf) is None)
     if args.json:
         _emit_json(
+            args,
             {
                 "path": storage.url,
                 "step": m.step,
@@ -174,7 +224,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
                 "shards": [s.to_json() for s in m.shards],
                 "tensors": entries,
                 "plain_values": plain,
-            }
+            },
         )
         return OK
     print(f"job        {storage.url}")
@@ -212,22 +262,36 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
             steps = [ckfmt.resolve_step(storage, args.step)]
         except CkptError as e:
             return _no_checkpoint(storage, args, str(e))
-    reports = []
-    for step in steps:
-        total = _step_bytes(storage, step)
-        bar = _progress(total, f"verify step {step}", args)
-        try:
-            reports.append(
-                ckfmt.verify_checkpoint(
-                    storage, step, level=args.level, progress=bar.update if bar else None
+    catalog = _CatalogDigests(args) if args.coordinator else None
+    reports, seconds = [], []
+    try:
+        for step in steps:
+            total = _step_bytes(storage, step)
+            bar = _progress(total, f"verify step {step}", args)
+            expected, unknown = catalog.digest(step) if catalog else (None, None)
+            t0 = time.perf_counter()
+            try:
+                report = ckfmt.verify_checkpoint(
+                    storage,
+                    step,
+                    level=args.level,
+                    progress=bar.update if bar else None,
+                    manifest_blake3=expected,
                 )
-            )
-        finally:
-            if bar:
-                bar.close()
+            finally:
+                if bar:
+                    bar.close()
+            seconds.append(time.perf_counter() - t0)
+            if unknown:
+                report.problems.insert(0, unknown)
+            reports.append(report)
+    finally:
+        if catalog:
+            catalog.close()
     ok = all(r.ok for r in reports)
     if args.json:
         _emit_json(
+            args,
             {
                 "path": storage.url,
                 "ok": ok,
@@ -237,16 +301,20 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
                         "ok": r.ok,
                         "level": r.level,
                         "bytes_checked": r.bytes_checked,
+                        "seconds": round(t, 6),
                         "problems": r.problems,
                     }
-                    for r in reports
+                    for r, t in zip(reports, seconds, strict=True)
                 ],
-            }
+            },
         )
     else:
-        for r in reports:
+        for r, t in zip(reports, seconds, strict=True):
             if r.ok:
-                print(f"step {r.step}: OK ({r.level}, {human_bytes(r.bytes_checked)} checked)")
+                print(
+                    f"step {r.step}: OK ({r.level}, {human_bytes(r.bytes_checked)} checked "
+                    f"in {human_seconds(t)})"
+                )
             else:
                 print(f"step {r.step}: CORRUPT ({len(r.problems)} problem(s))")
                 for p in r.problems:
@@ -260,12 +328,57 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     return OK if ok else PROBLEM
 
 
+class _CatalogDigests:
+    """verify --coordinator: each step's manifest digest as the catalog recorded it."""
+
+    def __init__(self, args: argparse.Namespace):
+        from ckpt._transport import CoordinatorClient
+
+        self.address, self.path = args.coordinator, args.path
+        self.client = CoordinatorClient(
+            args.coordinator,
+            token=args.token or os.environ.get("CKPTD_TOKEN"),
+            root_certificates=_read_file(args.tls_root_cert),
+            retry_for_s=10,
+        )
+
+    def digest(self, step: int) -> tuple[str | None, str | None]:
+        """(digest to check, or None; a problem to report when the catalog has none)."""
+        from ckptd.errors import CheckpointNotFound
+
+        try:
+            info = self.client.get_checkpoint(self.path, step)
+        except CheckpointNotFound:
+            return None, (
+                f"step {step} is not in the catalog of coordinator {self.address}: it was not "
+                "committed through it (if the catalog was lost: ckptd rebuild-catalog)"
+            )
+        if not info.manifest_blake3:
+            from ckptd.v1 import coordinator_pb2 as pb
+
+            return None, (
+                f"step {step} has a manifest in storage but the catalog of {self.address} "
+                f"says {pb.Status.Name(info.status)} ({info.reason or 'no commit recorded'})"
+            )
+        return info.manifest_blake3, None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _read_file(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def _no_checkpoint(storage: Storage, args: argparse.Namespace, why: str | None = None) -> int:
     msg = why or f"{storage.url} holds no committed checkpoint"
+    print(f"error: {msg}", file=sys.stderr)
     if args.json:
-        _emit_json({"path": storage.url, "ok": False, "steps": [], "error": msg})
-    else:
-        print(f"error: {msg}", file=sys.stderr)
+        doc = {"path": storage.url, "ok": False, "steps": [], "error": msg, "exit_code": PROBLEM}
+        _emit_json(args, doc)
     return PROBLEM
 
 
@@ -276,14 +389,49 @@ def _step_bytes(storage: Storage, step: int) -> int:
         return 0
 
 
-def _progress(total: int, desc: str, args: argparse.Namespace) -> Any:
-    if args.no_progress or not sys.stderr.isatty() or total < (64 << 20):
-        return None
-    from tqdm import tqdm
+class _Bar:
+    """A rich progress bar on stderr; update() may be called from the reader threads."""
 
-    return tqdm(
-        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr
-    )
+    def __init__(self, total: int, desc: str, unit: str):
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        amount = (
+            [DownloadColumn(binary_units=True), TransferSpeedColumn()]
+            if unit == "bytes"
+            else [MofNCompleteColumn()]
+        )
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            *amount,
+            TimeRemainingColumn(),
+            console=Console(file=sys.stderr),
+            transient=True,  # the summary line replaces it
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(desc, total=total)
+
+    def update(self, n: int) -> None:
+        self._progress.update(self._task, advance=n)
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
+def _progress(total: int, desc: str, args: argparse.Namespace, unit: str = "bytes") -> _Bar | None:
+    """A bar only for a person watching: stderr is a terminal, no --json, no --no-progress."""
+    if args.json or getattr(args, "no_progress", False) or not sys.stderr.isatty() or total <= 0:
+        return None
+    return _Bar(total, desc, unit)
 
 
 def _stray_files(storage: Storage, committed: list[ckfmt.StepInfo]) -> list[str]:
@@ -306,6 +454,8 @@ def _stray_files(storage: Storage, committed: list[ckfmt.StepInfo]) -> list[str]
 
 
 def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
+    if args.keep_last is not None and args.keep_last < 1:
+        raise UsageError("--keep-last must be at least 1 (the newest checkpoint is always kept)")
     steps = ckfmt.list_steps(storage)
     committed = [s.step for s in steps if s.status == ckfmt.COMMITTED]
     newest = committed[-1] if committed else None
@@ -323,48 +473,112 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
             if s.status == ckfmt.QUARANTINED
         ]
     if args.keep_last is not None:
-        if args.keep_last < 1:
-            print(
-                "error: --keep-last must be at least 1 (the newest checkpoint is always kept)",
-                file=sys.stderr,
-            )
-            return USAGE
         doomed += [(st, "retired by --keep-last") for st in committed[: -args.keep_last]]
-    for step, why in sorted(doomed):
-        if not args.dry_run:
-            ckfmt.remove_step(storage, step)
-        if not args.json:
-            print(
-                f"{'would remove' if args.dry_run else 'removed'} {layout.step_dir(step)} ({why})"
-            )
+    doomed.sort()
     strays = _stray_files(
         storage, [s for s in steps if s.status in (ckfmt.COMMITTED, ckfmt.QUARANTINED)]
     )
-    for path in strays:
-        if not args.dry_run:
-            storage.remove_tree(path)
-        if not args.json:
-            print(
-                f"{'would remove' if args.dry_run else 'removed'} {path} (not part of the committed step)"
-            )
     pool = [] if args.keep_recycled else storage.listdir(recycle.POOL)
-    for name in pool:
-        if not args.dry_run:
-            storage.remove_tree(f"{recycle.POOL}/{name}")
+    verb = "would remove" if args.dry_run else "removed"
+    bar = (
+        None
+        if args.dry_run
+        else _progress(len(doomed) + len(strays) + len(pool), "gc", args, "items")
+    )
+    try:
+        for step, why in doomed:
+            if not args.dry_run:
+                ckfmt.remove_step(storage, step)
+            _tick(bar)
+            if not args.json:
+                print(f"{verb} {layout.step_dir(step)} ({why})")
+        for path in strays:
+            if not args.dry_run:
+                storage.remove_tree(path)
+            _tick(bar)
+            if not args.json:
+                print(f"{verb} {path} (not part of the committed step)")
+        for name in pool:
+            if not args.dry_run:
+                storage.remove_tree(f"{recycle.POOL}/{name}")
+            _tick(bar)
+    finally:
+        if bar is not None:
+            bar.close()
     if pool and not args.json:
-        verb = "would remove" if args.dry_run else "removed"
         print(f"{verb} {len(pool)} retired shard file(s) kept for reuse in {recycle.POOL}")
     if args.json:
         _emit_json(
+            args,
             {
                 "path": storage.url,
                 "dry_run": args.dry_run,
-                "removed": [s for s, _ in sorted(doomed)],
-            }
+                "removed": [s for s, _ in doomed],
+                "steps": [{"step": s, "reason": why} for s, why in doomed],
+                "stray_files": strays,
+                "recycled_files": len(pool),
+            },
         )
     elif not doomed and not pool and not strays:
         print("nothing to remove")
     return OK
+
+
+def _tick(bar: _Bar | None) -> None:
+    if bar is not None:
+        bar.update(1)
+
+
+def cmd_diff(storage: Storage, args: argparse.Namespace) -> int:
+    """Which tensors and values changed between two steps, from the indexes' block hashes
+    where the chunk layouts match, else by reading and hashing the whole tensors."""
+    from ckptd.format.diff import ADDED, CHANGED, REMOVED, diff_checkpoints
+
+    bar = _progress(
+        _step_bytes(storage, args.step_a) + _step_bytes(storage, args.step_b),
+        f"diff {args.step_a} {args.step_b} (reading where layouts differ)",
+        args,
+    )
+    try:
+        rep = diff_checkpoints(
+            storage, args.step_a, args.step_b, progress=bar.update if bar else None
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    shown = [k for k in rep.keys if args.all or k.status != "same"]
+    if args.json:
+        _emit_json(
+            args,
+            {
+                "path": storage.url,
+                "step_a": rep.step_a,
+                "step_b": rep.step_b,
+                "identical": rep.identical,
+                "changed": [k.key for k in rep.of(CHANGED)],
+                "added": [k.key for k in rep.of(ADDED)],
+                "removed": [k.key for k in rep.of(REMOVED)],
+                "unchanged": len(rep.of("same")),
+                "bytes_read": rep.bytes_read,
+                "keys": [k.to_json() for k in shown],
+            },
+        )
+    else:
+        mark = {CHANGED: "M", ADDED: "A", REMOVED: "D", "same": "="}
+        for k in shown:
+            how = (
+                f" ({k.by}{': ' + k.detail if k.detail else ''})"
+                if k.kind == "tensor" and k.status == CHANGED
+                else ""
+            )
+            print(f"{mark[k.status]} {k.key}{'' if k.kind == 'tensor' else ' [value]'}{how}")
+        print(
+            f"step {rep.step_a} -> {rep.step_b}: {len(rep.of(CHANGED))} changed, "
+            f"{len(rep.of(ADDED))} added, {len(rep.of(REMOVED))} removed, "
+            f"{len(rep.of('same'))} unchanged"
+            + (f" ({human_bytes(rep.bytes_read)} read)" if rep.bytes_read else "")
+        )
+    return PROBLEM if args.exit_code and not rep.identical else OK
 
 
 def cmd_restore(storage: Storage, args: argparse.Namespace) -> int:
@@ -400,6 +614,7 @@ def cmd_restore(storage: Storage, args: argparse.Namespace) -> int:
             bar.close()
     if args.json:
         _emit_json(
+            args,
             {
                 "path": storage.url,
                 "ok": True,
@@ -411,13 +626,13 @@ def cmd_restore(storage: Storage, args: argparse.Namespace) -> int:
                 "bytes_verified": res.bytes_read,
                 "seconds": res.seconds,
                 "keys": res.keys,
-            }
+            },
         )
     else:
         print(
             f"restored step {res.step}: {res.tensors} tensor(s), {human_bytes(res.bytes)} "
             f"({human_bytes(res.bytes_read)} read and verified) -> {res.path} ({res.format}) "
-            f"in {res.seconds:.1f} s"
+            f"in {human_seconds(res.seconds)}"
         )
     return OK
 
@@ -426,7 +641,14 @@ def cmd_restore(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckptctl", description="Inspect and verify ckptd checkpoints.")
+    p = argparse.ArgumentParser(
+        prog="ckptctl",
+        description="List, inspect, verify, diff, restore and clean up ckptd checkpoints, "
+        "from storage alone.",
+        epilog="exit codes: 0 ok; 1 a problem was found (corrupt or missing data, no such "
+        "step; diff --exit-code: the steps differ); 2 usage error. --json: one JSON document "
+        "on stdout, also on failure (docs/cli.md).",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help: str) -> argparse.ArgumentParser:
@@ -444,6 +666,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="ask a running coordinator (shows OPEN and ABORTED saves too)",
     )
     sp.add_argument("--token", help="coordinator token (default $CKPTD_TOKEN)")
+    sp.add_argument(
+        "--mirror",
+        metavar="URL",
+        help="the job's mirror tier (e.g. s3://bucket/job): show which tiers hold each step",
+    )
     sp = add("inspect", "show a committed step's manifest and tensors")
     sp.add_argument("--step", type=int, help="step (default: newest committed)")
     sp = add("verify", "check sizes and blake3 hashes of committed steps")
@@ -457,6 +684,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="size: presence and sizes; full: re-read and hash every byte (default)",
     )
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp.add_argument(
+        "--coordinator",
+        metavar="ADDR",
+        help="also check each manifest against the blake3 the coordinator's catalog recorded "
+        "at commit (detects a consistent rewrite of shards, indexes and manifest)",
+    )
+    sp.add_argument("--token", help="coordinator token (default $CKPTD_TOKEN)")
+    sp.add_argument("--tls-root-cert", metavar="PEM", help="CA of a TLS coordinator")
     sp = add("gc", "remove debris of unfinished saves and, optionally, old steps")
     sp.add_argument("--keep-last", type=int, help="also remove committed steps beyond the newest N")
     sp.add_argument(
@@ -470,6 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also remove steps quarantined after failing verification at load time",
     )
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument(
         "--keep-recycled", action="store_true", help="keep retired shard files kept for reuse"
     )
@@ -501,6 +737,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--force", action="store_true", help="replace OUT if it exists")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp = add(
+        "diff",
+        "which tensors and values changed, were added or removed between two committed steps "
+        "(by blake3; data is read only where the chunk layouts differ)",
+    )
+    sp.add_argument("step_a", metavar="STEP_A", type=int)
+    sp.add_argument("step_b", metavar="STEP_B", type=int)
+    sp.add_argument("--all", action="store_true", help="also list the unchanged keys")
+    sp.add_argument(
+        "--exit-code", action="store_true", help="exit 1 when the steps differ (like git diff)"
+    )
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -510,6 +758,7 @@ COMMANDS = {
     "verify": cmd_verify,
     "gc": cmd_gc,
     "restore": cmd_restore,
+    "diff": cmd_diff,
 }
 
 
@@ -524,16 +773,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_list_coordinator(args)
         storage = open_storage(args.path)
         if args.command != "gc" and not storage.exists(""):
-            print(f"error: {args.path} does not exist", file=sys.stderr)
-            if args.json:
-                _emit_json({"path": args.path, "ok": False, "error": "does not exist"})
-            return PROBLEM
+            return _fail(args, f"{args.path} does not exist; pass the job's checkpoint directory")
         return COMMANDS[args.command](storage, args)
+    except UsageError as e:
+        return _fail(args, str(e), USAGE)
     except (ValueError, CkptError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return USAGE if isinstance(e, ValueError) and not isinstance(e, CkptError) else PROBLEM
+        usage = isinstance(e, ValueError) and not isinstance(e, CkptError)
+        return _fail(args, str(e), USAGE if usage else PROBLEM)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `ckptctl inspect --json | head`: the reader left; no traceback, and no second
+        # error when Python flushes stdout at exit.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a file (in-process runs)
+            pass
+        return PROBLEM
+
+
+def _fail(args: argparse.Namespace, msg: str, code: int = PROBLEM) -> int:
+    """The error on stderr; with --json also the one JSON document, so scripts can parse it."""
+    print(f"error: {msg}", file=sys.stderr)
+    if args.json:
+        _emit_json(args, {"ok": False, "error": msg, "exit_code": code})
+    return code
 
 
 if __name__ == "__main__":

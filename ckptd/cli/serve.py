@@ -3,10 +3,12 @@
     ckptd serve --root /ckpts --listen 0.0.0.0:7070 [--catalog /var/lib/ckptd/catalog.sqlite]
                 [--token-file F] [--tls-cert C --tls-key K [--tls-client-ca CA]]
                 [--lease 60] [--barrier-timeout 600]
+                [--metrics-port N [--metrics-host H] [--metrics-port-file F]]
 
 Jobs outside --root are refused. The catalog defaults to <root>/.ckptd/catalog.sqlite and
 must be on a local disk (SQLite is not safe on NFS/Lustre): pass --catalog elsewhere when
-the root is a parallel filesystem. SIGTERM/SIGINT stop it gracefully.
+the root is a parallel filesystem. SIGTERM/SIGINT stop it gracefully. With --metrics-port,
+Prometheus metrics are served at http://HOST:PORT/metrics (ckptd/server/metrics.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ckptd.coordinator.core import Coordinator
 from ckptd.errors import CkptError
 from ckptd.server import ServerOptions, create_server
 from ckptd.server.auth import load_token
+from ckptd.server.metrics import Metrics, MetricsServer
 
 log = logging.getLogger("ckptd")
 
@@ -63,7 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="seconds to wait for all ranks to join a save",
     )
+    s.add_argument(
+        "--max-calls-per-client",
+        type=int,
+        default=ServerOptions.max_calls_per_client,
+        help="calls one client connection may have in flight; more are refused",
+    )
     s.add_argument("--port-file", help="write the bound port here once serving")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="N",
+        help="serve Prometheus metrics at http://HOST:N/metrics (0 picks a free port)",
+    )
+    s.add_argument(
+        "--metrics-host",
+        help="address the metrics endpoint binds (default: the host of --listen)",
+    )
+    s.add_argument("--metrics-port-file", help="write the metrics port here once serving")
     r = sub.add_parser("rebuild-catalog", help="recreate the catalog from the manifests in storage")
     r.add_argument("--root", required=True)
     r.add_argument("--catalog")
@@ -87,27 +107,46 @@ async def serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        print(f"error: --metrics-port {args.metrics_port} is not a port (0-65535)", file=sys.stderr)
+        return 2
     os.makedirs(args.root, exist_ok=True)
     catalog = Catalog(_catalog_path(args), allow_network_fs=args.allow_network_catalog)
     core = Coordinator(
         args.root, catalog, lease_s=args.lease, barrier_timeout_s=args.barrier_timeout
     )
     await core.start()
+    metrics_server = None
+    if args.metrics_port is not None:
+        metrics_host = args.metrics_host or args.listen.rsplit(":", 1)[0].strip("[]")
+        try:
+            metrics_server = MetricsServer(Metrics().attach(core), metrics_host, args.metrics_port)
+        except OSError as e:
+            await core.close()
+            catalog.close()
+            print(
+                f"error: cannot serve metrics on {metrics_host}:{args.metrics_port}: {e}; "
+                "pick another --metrics-port (0 picks a free one) or --metrics-host",
+                file=sys.stderr,
+            )
+            return 1
+        log.info("metrics at %s", metrics_server.url)
+        print(f"ckptd: metrics on {metrics_host}:{metrics_server.port} (/metrics)", flush=True)
+        if args.metrics_port_file:
+            _write_atomically(args.metrics_port_file, str(metrics_server.port))
     options = ServerOptions(
         token=token,
         tls_cert=_read(args.tls_cert),
         tls_key=_read(args.tls_key),
         tls_client_ca=_read(args.tls_client_ca),
+        max_calls_per_client=args.max_calls_per_client,
     )
     server, port = await create_server(core, args.listen, options)
     host = args.listen.rsplit(":", 1)[0]
     log.info("ckptd serving %s on %s:%d (catalog %s)", core.root, host, port, catalog.path)
     print(f"ckptd: serving {core.root} on {host}:{port}", flush=True)
     if args.port_file:
-        tmp = f"{args.port_file}.tmp"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, args.port_file)
+        _write_atomically(args.port_file, str(port))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -117,7 +156,17 @@ async def serve(args: argparse.Namespace) -> int:
     await server.stop(grace=10)
     await core.close()
     catalog.close()
+    if metrics_server is not None:
+        metrics_server.close()
     return 0
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """A reader polling for the file never sees it half written."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def rebuild(args: argparse.Namespace) -> int:

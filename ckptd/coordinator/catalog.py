@@ -83,6 +83,43 @@ CREATE TABLE IF NOT EXISTS reports (
 );
 """
 
+# Schema 2: the tiers that hold each step besides the job's directory (the "local" tier,
+# whose state is the saves table): a mirror's copy is UPLOADING, HELD (verified and
+# committed there) or FAILED (reason says why); retention in the mirror deletes the row.
+# A new table, so the migration of a schema-1 catalog is creating it (`migrate`).
+TIERS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tiers (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    tier TEXT NOT NULL,
+    url TEXT NOT NULL,
+    status TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    updated_unix REAL NOT NULL,
+    PRIMARY KEY (job, step, tier)
+);
+"""
+SCHEMA_VERSION = 2
+
+
+def migrate(db: sqlite3.Connection) -> None:
+    """Bring a catalog to SCHEMA_VERSION; additive only, so older readers still work."""
+    version = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if version < 2:
+        db.executescript(TIERS_SCHEMA)
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+
+@dataclasses.dataclass
+class TierRecord:
+    job: str
+    step: int
+    tier: str
+    url: str
+    status: str
+    reason: str = ""
+    updated_unix: float = 0.0
+
 
 class CatalogError(CkptError):
     pass
@@ -150,6 +187,7 @@ class Catalog:
         self._wdb.execute("PRAGMA journal_mode=WAL")
         self._wdb.execute("PRAGMA synchronous=FULL")
         self._wdb.executescript(SCHEMA)
+        migrate(self._wdb)
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckptd-catalog")
         self._pending: list[tuple[str, tuple[Any, ...], asyncio.Future[None]]] = []
@@ -253,6 +291,14 @@ class Catalog:
             "SELECT DISTINCT job FROM saves UNION SELECT job FROM jobs"
         ).fetchall()
         return sorted(r[0] for r in rows)
+
+    def tiers(self, job: str) -> list[TierRecord]:
+        rows = self.db.execute(
+            "SELECT job, step, tier, url, status, reason, updated_unix FROM tiers WHERE job=? "
+            "ORDER BY step, tier",
+            (job,),
+        ).fetchall()
+        return [TierRecord(*r) for r in rows]
 
     def reports(self, job: str, step: int, generation: int) -> dict[int, dict[str, Any]]:
         rows = self.db.execute(

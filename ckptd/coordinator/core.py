@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckptd import knobs
+from ckptd.coordinator import observer as obs
 from ckptd.coordinator import planning
 from ckptd.coordinator.catalog import Catalog, SaveRecord, now
 from ckptd.errors import (
@@ -46,6 +47,9 @@ log = logging.getLogger("ckptd.coordinator")
 
 OPEN, COMMITTING, COMMITTED, ABORTED = "OPEN", "COMMITTING", "COMMITTED", "ABORTED"
 QUARANTINED = "QUARANTINED"  # committed, then failed verification when loaded
+# What a mirror tier holds of a step (catalog table `tiers`).
+TIER_UPLOADING, TIER_HELD, TIER_FAILED, TIER_REMOVED = "UPLOADING", "HELD", "FAILED", "REMOVED"
+TIER_STATUSES = frozenset({TIER_UPLOADING, TIER_HELD, TIER_FAILED})
 MAX_PLAN_CHUNKS_PER_PART = 20_000
 MAX_WORLD_SIZE = layout.MAX_RANK + 1
 # Ended saves kept in memory to answer retries whose first reply was lost.
@@ -70,6 +74,12 @@ class ShardReport:
     index_size: int
     index_blake3: str
     verify: str = "full"
+    # The rank's own timings (for metrics); not part of the report's identity, so a retried
+    # report still matches.
+    staging_s: float = dataclasses.field(default=0.0, compare=False)
+    persist_s: float = dataclasses.field(default=0.0, compare=False)
+    write_s: float = dataclasses.field(default=0.0, compare=False)
+    verify_s: float = dataclasses.field(default=0.0, compare=False)
 
 
 @dataclasses.dataclass
@@ -126,9 +136,11 @@ class Session:
         self.state: Any = None  # merged state tree, once planned
         self.block_sizes: dict[int, int] = {}  # from each reported index
         self.metadata: dict[str, Any] = {}
+        self.all_reported = 0.0  # monotonic time of the last shard's report
+        self.abort_kind: type[CkptError] = SaveAborted  # what a rank arriving later gets
 
     def fail(self, reason: str, kind: type[CkptError] = SaveAborted) -> None:
-        self.status, self.reason = ABORTED, reason
+        self.status, self.reason, self.abort_kind = ABORTED, reason, kind
         if not self.planned.done():
             self.planned.set_exception(kind(reason))
             self.planned.exception()  # mark retrieved: not every rank may be waiting
@@ -153,6 +165,7 @@ class Coordinator:
         self.lease_s = lease_s
         self.barrier_timeout_s = barrier_timeout_s
         self._storage_factory = storage_factory or (lambda p: open_storage(p, create=True))
+        self.observer: obs.SaveObserver = obs.SaveObserver()  # metrics plug in here
         self._storages: dict[str, Storage] = {}
         self.sessions: dict[tuple[str, int], Session] = {}
         self._watchdog: asyncio.Task[None] | None = None
@@ -361,7 +374,19 @@ class Coordinator:
             )
         s = self._session(ref, job)
         if s.status == ABORTED:
-            raise SaveAborted(f"job {job!r} step {ref.step}: the save was aborted ({s.reason})")
+            raise s.abort_kind(f"job {job!r} step {ref.step}: the save was aborted ({s.reason})")
+        where = f"job {job!r} step {ref.step} rank {ref.rank}"
+        try:
+            for c in chunks:
+                planning.check_chunk(c, where)
+            if metadata is not None and not isinstance(metadata, dict):
+                raise InvalidRequest(f"{where}: metadata must be a JSON object")
+            if state is not None:
+                values.check_node(state, f"{where} state")
+        except CkptError as e:
+            # The other ranks learn it now instead of waiting out the barrier.
+            await self._abort(s, str(e), kind=type(e), outcome=obs.FAILED)
+            raise
         plan = s.plans.get(ref.rank)
         if plan is None:
             plan = s.plans[ref.rank] = _RankPlan(parts)
@@ -375,7 +400,6 @@ class Coordinator:
             )
         plan.received[part] = list(chunks)
         if state is not None:
-            values.check_node(state, f"job {job!r} step {ref.step} rank {ref.rank} state")
             plan.state = state
         if metadata:
             plan.metadata = metadata
@@ -411,7 +435,15 @@ class Coordinator:
             state = planning.merge_states({r: p.state for r, p in s.plans.items()})
             metadata = s.plans[0].metadata if 0 in s.plans else {}
         except CkptError as e:
-            await self._abort(s, str(e), kind=type(e))
+            await self._abort(s, str(e), kind=type(e), outcome=obs.FAILED)
+            return
+        except (ValueError, TypeError, RecursionError) as e:  # a plan nothing above caught
+            await self._abort(
+                s,
+                f"the ranks' plans cannot be combined: {e}",
+                kind=InvalidRequest,
+                outcome=obs.FAILED,
+            )
             return
         draft = json.dumps({"state": state, "metadata": metadata, "chunks": _chunks_json(s.chunks)})
         await self.catalog.write(
@@ -507,7 +539,8 @@ class Coordinator:
         try:
             await asyncio.to_thread(self._check_report, s, ref.rank, report)
         except CkptError as e:
-            await self._abort(s, f"rank {ref.rank}: {e}")
+            self.observer.verification_failed(job, ref.step, "report", f"rank {ref.rank}: {e}")
+            await self._abort(s, f"rank {ref.rank}: {e}", outcome=obs.FAILED)
             return StatusResult(ABORTED, s.reason)
         await self.catalog.write(
             "INSERT OR REPLACE INTO reports (job, step, generation, rank, report) VALUES (?, ?, ?, ?, ?)",
@@ -516,8 +549,10 @@ class Coordinator:
         if s.status != OPEN:  # aborted while we checked
             return StatusResult(s.status, s.reason)
         s.reports[ref.rank] = report
+        self.observer.shard_reported(job, ref.step, ref.rank, report)
         if len(s.reports) == s.world_size and s.commit_task is None:
             s.status = COMMITTING
+            s.all_reported = time.monotonic()
             s.commit_task = asyncio.get_running_loop().create_task(self._commit(s))
         return StatusResult(s.status, s.reason, s.manifest_blake3)
 
@@ -617,11 +652,8 @@ class Coordinator:
                 (COMMITTING, s.job, s.step, s.generation),
             )
             data = await asyncio.to_thread(ckfmt.commit, st, m)
-        except CkptError as e:
-            await self._abort(s, f"commit failed: {e}")
-            return
-        except OSError as e:
-            await self._abort(s, f"commit failed: {e}")
+        except (CkptError, OSError, ValueError) as e:
+            await self._abort(s, f"commit failed: {e}", outcome=obs.FAILED)
             return
         crash_point("coordinator.after_manifest_rename")
         digest = hashing.digest(data)
@@ -642,6 +674,9 @@ class Coordinator:
             s.done.set_result(StatusResult(COMMITTED, "", digest))
         log.info(
             "committed job %s step %d (%d ranks, %.2f GB)", s.job, s.step, s.world_size, total / 1e9
+        )
+        self.observer.save_ended(
+            s.job, s.step, obs.COMMITTED, bytes=total, commit_s=time.monotonic() - s.all_reported
         )
         self._finish(s)
         if s.keep_last:
@@ -694,6 +729,8 @@ class Coordinator:
 
     def get_checkpoint(self, job: str, step: int | None) -> SaveRecord:
         name = self.job_name(job)
+        if step is not None:
+            _check_step(name, step)
         if step is None:
             committed = self.catalog.saves(name, COMMITTED)
             if not committed:
@@ -711,6 +748,7 @@ class Coordinator:
         is the truth: rebuild-catalog reads it back).
         """
         name = self.job_name(job)
+        _check_step(name, step)
         rec = self.catalog.save(name, step)
         if rec is None or rec.status not in (COMMITTED, QUARANTINED):
             raise CheckpointNotFound(f"job {name!r} has no committed step {step} to quarantine")
@@ -720,6 +758,7 @@ class Coordinator:
             await asyncio.to_thread(ckfmt.quarantine, st, step, reason)
         if rec.status != QUARANTINED:
             log.warning("job %s step %d quarantined: %s", name, step, reason)
+            self.observer.verification_failed(name, step, "load", reason)
             await self.catalog.write(
                 "UPDATE saves SET status=?, reason=? WHERE job=? AND step=?",
                 (QUARANTINED, reason, name, step),
@@ -727,6 +766,29 @@ class Coordinator:
         rec = self.catalog.save(name, step)
         assert rec is not None
         return rec
+
+    async def record_tier(
+        self, job: str, step: int, tier: str, url: str, status: str, reason: str = ""
+    ) -> None:
+        """Record what a tier (a mirror) holds of a step; status REMOVED deletes the record.
+
+        The client that copies a committed step to a mirror reports each transition
+        (UPLOADING, HELD, FAILED, REMOVED); storage stays the truth (a mirror's step is
+        committed when its manifest is there), this is the catalog's view for listing.
+        """
+        name = self.job_name(job)
+        if status == TIER_REMOVED:
+            await self.catalog.write(
+                "DELETE FROM tiers WHERE job=? AND step=? AND tier=?", (name, step, tier)
+            )
+            return
+        if status not in TIER_STATUSES:
+            raise InvalidRequest(f"job {name!r} step {step}: unknown tier status {status!r}")
+        await self.catalog.write(
+            "INSERT OR REPLACE INTO tiers (job, step, tier, url, status, reason, updated_unix) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (name, step, tier, url, status, reason[:4000], now()),
+        )
 
     # -- aborts, leases, retention -----------------------------------------------------
     def _newest_generation(self, job: str) -> int | None:
@@ -750,9 +812,16 @@ class Coordinator:
                         s, f"superseded by generation {generation} (the job restarted)"
                     )
 
-    async def _abort(self, s: Session, reason: str, kind: type[CkptError] = SaveAborted) -> None:
+    async def _abort(
+        self,
+        s: Session,
+        reason: str,
+        kind: type[CkptError] = SaveAborted,
+        outcome: str = obs.ABORTED,
+    ) -> None:
         if s.status in (COMMITTED, ABORTED):
             return
+        self.observer.save_ended(s.job, s.step, outcome)
         log.warning(
             "aborting job %s step %d generation %d: %s", s.job, s.step, s.generation, reason
         )
@@ -997,6 +1066,13 @@ class Coordinator:
                 )
                 self._generations[job] = gen
         return n
+
+
+def _check_step(job: str, step: int) -> None:
+    try:
+        layout.check_step(step)
+    except ValueError as e:
+        raise InvalidRequest(f"job {job!r}: {e}") from None
 
 
 def _find_jobs(root: str, max_depth: int = 6) -> list[str]:

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckptd.errors import DivergentReplicas, InvalidRequest
+from ckptd.format import dtypes, hashing
+from ckptd.format.manifest import MAX_DIMS, MAX_ELEMENTS, MAX_KEY_LEN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,47 @@ class Assignment:
     write: dict[int, list[int]]  # rank -> indices into that rank's plan
     warnings: list[str]
     bytes_by_rank: dict[int, int]
+
+
+def check_chunk(c: ChunkPlan, where: str) -> None:
+    """A chunk of a rank's plan as it came off the wire: the same limits a shard index
+    is held to (ckptd.format.manifest), so a plan that could never be written and read
+    back is refused at BeginSave, naming the field."""
+    if not isinstance(c.key, str) or not c.key or len(c.key) > MAX_KEY_LEN or "\0" in c.key:
+        raise InvalidRequest(
+            f"{where}: chunk key {str(c.key)[:80]!r} must be 1..{MAX_KEY_LEN} characters without NUL"
+        )
+    what = f"{where} key {c.key[:200]!r}"
+    try:
+        itemsize = dtypes.itemsize(c.dtype)
+    except KeyError:
+        raise InvalidRequest(
+            f"{what}: dtype {c.dtype[:40]!r} is not one ckptd stores ({', '.join(dtypes.SUPPORTED)})"
+        ) from None
+    ndim = len(c.shape)
+    if ndim > MAX_DIMS or len(c.chunk_offsets) != ndim or len(c.chunk_sizes) != ndim:
+        raise InvalidRequest(
+            f"{what}: shape, chunk_offsets and chunk_sizes must have the same length "
+            f"(at most {MAX_DIMS}), got {ndim}, {len(c.chunk_offsets)}, {len(c.chunk_sizes)}"
+        )
+    if any(x < 0 for x in (*c.shape, *c.chunk_offsets, *c.chunk_sizes, c.length)):
+        raise InvalidRequest(f"{what}: dimensions, offsets and length must not be negative")
+    for d, (n, o, s) in enumerate(zip(c.shape, c.chunk_offsets, c.chunk_sizes, strict=True)):
+        if o + s > n:
+            raise InvalidRequest(
+                f"{what}: chunk {list(c.chunk_offsets)[:8]}+{list(c.chunk_sizes)[:8]} lies "
+                f"outside shape {list(c.shape)[:8]} (dimension {d}; fields chunk_offsets, "
+                "chunk_sizes)"
+            )
+    if math.prod(c.shape) > MAX_ELEMENTS:
+        raise InvalidRequest(f"{what}: shape {list(c.shape)[:8]} has more than 2**62 elements")
+    if c.length != math.prod(c.chunk_sizes) * itemsize:
+        raise InvalidRequest(
+            f"{what}: length {c.length} != {math.prod(c.chunk_sizes)} elements x {itemsize} "
+            f"bytes of {c.dtype} (field length)"
+        )
+    if not hashing.is_hex_digest(c.blake3):
+        raise InvalidRequest(f"{what}: blake3 must be a lowercase 64-digit hex digest")
 
 
 def _overlap(a: ChunkPlan, b: ChunkPlan) -> bool:

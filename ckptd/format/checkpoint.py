@@ -162,7 +162,14 @@ def unquarantine(storage: Storage, step: int) -> bool:
     return True
 
 
-def read_manifest(storage: Storage, step: int) -> Manifest:
+def read_manifest(storage: Storage, step: int, *, blake3: str | None = None) -> Manifest:
+    """The step's manifest, parsed and checked.
+
+    blake3: the manifest's digest as the coordinator's catalog recorded it at commit. The
+    manifest holds each index's digest and each index each block's, so this one digest
+    pins every byte of the step: a consistent rewrite of shards, indexes and manifest
+    together is still refused.
+    """
     path = f"{layout.step_dir(step)}/{layout.MANIFEST_NAME}"
     try:
         data = storage.read_bytes(path, limit=knobs.get().max_manifest_bytes)
@@ -170,6 +177,13 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
         raise CheckpointNotFound(
             f"{_where(storage, step)} has no committed checkpoint (no {layout.MANIFEST_NAME})"
         ) from None
+    if blake3 is not None and hashing.digest(data) != blake3:
+        raise CorruptCheckpoint(
+            f"{_where(storage, step, layout.MANIFEST_NAME)}: blake3 {hashing.digest(data)[:16]} "
+            f"is not the {blake3[:16] or '(none)'} the coordinator's catalog recorded when step "
+            f"{step} was committed: the step was rewritten after its commit. Do not use it: "
+            "load an earlier step or restore it from a replica"
+        )
     m = parse_manifest(data, what=_where(storage, step, layout.MANIFEST_NAME))
     if m.step != step:
         raise InvalidManifest(
@@ -206,10 +220,13 @@ def committed_steps(storage: Storage) -> list[int]:
     return [s.step for s in reversed(list_steps(storage)) if s.status == COMMITTED]
 
 
-def open_checkpoint(storage: Storage, step: int | None = None) -> OpenCheckpoint:
-    """Open the given (or newest committed) step, checking indexes and shard sizes."""
+def open_checkpoint(
+    storage: Storage, step: int | None = None, *, manifest_blake3: str | None = None
+) -> OpenCheckpoint:
+    """Open the given (or newest committed) step, checking indexes and shard sizes
+    (and the manifest against the catalog's digest, when given: read_manifest)."""
     step = resolve_step(storage, step)
-    m = read_manifest(storage, step)
+    m = read_manifest(storage, step, blake3=manifest_blake3)
     k = knobs.get()
     indexes: list[ShardIndex] = []
     chunks: dict[str, list[Chunk]] = {}
@@ -295,7 +312,8 @@ def commit(storage: Storage, m: Manifest) -> bytes:
             f"world size is {m.world_size}; refusing to commit"
         )
     data = m.to_bytes()
-    storage.write_atomic(f"{layout.step_dir(m.step)}/{layout.MANIFEST_NAME}", data)
+    # Create-only: a manifest is never replaced (atomically so where the store offers it).
+    storage.create_only(f"{layout.step_dir(m.step)}/{layout.MANIFEST_NAME}", data)
     return data
 
 
@@ -325,13 +343,16 @@ def verify_checkpoint(
     level: str = "full",
     progress: Callable[[int], None] | None = None,
     threads: int | None = None,
+    manifest_blake3: str | None = None,
 ) -> VerifyReport:
-    """Check one committed step; every problem found is reported, not just the first."""
+    """Check one committed step; every problem found is reported, not just the first.
+
+    manifest_blake3: the catalog's digest of the manifest (read_manifest)."""
     if level not in ("full", "size"):
         raise ValueError(f"level must be 'full' or 'size', got {level!r}")
     report = VerifyReport(step, level)
     try:
-        m = read_manifest(storage, step)
+        m = read_manifest(storage, step, blake3=manifest_blake3)
     except CkptError as e:
         report.problems.append(str(e))
         return report

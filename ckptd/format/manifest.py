@@ -226,6 +226,8 @@ def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:
         raise InvalidManifest(f"{what}: {e}") from None
     what = f"{what} (step {step})"
     job = _field(doc, "job", str, what)
+    if len(job) > MAX_KEY_LEN or "\0" in job:
+        raise InvalidManifest(f"{what}: job is over {MAX_KEY_LEN} characters or contains NUL")
     generation = _nonneg(doc, "generation", what)
     world_size = _nonneg(doc, "world_size", what, upper=layout.MAX_RANK + 2)
     if world_size < 1:

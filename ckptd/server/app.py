@@ -10,6 +10,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ckptd.coordinator.core import Coordinator
 from ckptd.server.auth import TokenAuthInterceptor
+from ckptd.server.guard import CallGuard
 from ckptd.server.servicer import CoordinatorServicer
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
@@ -29,6 +30,9 @@ class ServerOptions:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     # BeginSave waits for every rank, so a save of N ranks holds N calls open at once.
     max_concurrent_rpcs: int = 20_000
+    # One client connection's share (ckptd/server/guard.py): a runaway client is refused
+    # with RESOURCE_EXHAUSTED before it can take more than half of max_concurrent_rpcs.
+    max_calls_per_client: int = 10_000
 
 
 async def create_server(
@@ -40,7 +44,9 @@ async def create_server(
     server.stop(grace)).
     """
     opts = options or ServerOptions()
-    interceptors = [TokenAuthInterceptor(opts.token)] if opts.token else []
+    interceptors: list[grpc.aio.ServerInterceptor] = [CallGuard(opts.max_calls_per_client)]
+    if opts.token:
+        interceptors.append(TokenAuthInterceptor(opts.token))
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[

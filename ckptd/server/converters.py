@@ -65,11 +65,23 @@ def json_field(data: bytes, what: str) -> Any:
     if not data:
         return None
     if len(data) > MAX_JSON_BYTES:
-        raise InvalidRequest(f"{what} is {len(data)} bytes, over {MAX_JSON_BYTES}")
+        raise InvalidRequest(
+            f"{what} is {len(data)} bytes of JSON, over the {MAX_JSON_BYTES}-byte limit: keep "
+            "large values in tensors or numpy arrays (they go to the shards), not in plain values"
+        )
     try:
-        return json.loads(data)
+        value = json.loads(data, parse_constant=_reject_constant)
+        # 1e999 parses to inf without a constant: the manifest could not be written.
+        json.dumps(value, allow_nan=False)
     except (ValueError, RecursionError) as e:
-        raise InvalidRequest(f"{what} is not valid JSON: {e}") from None
+        raise InvalidRequest(
+            f"{what} is not valid JSON (strict: no NaN or Infinity): {str(e)[:200]}"
+        ) from None
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name}")
 
 
 def status_to_pb(r: core.StatusResult) -> pb.SaveStatus:
@@ -103,5 +115,14 @@ def record_to_pb(r: SaveRecord) -> pb.CheckpointInfo:
 
 def report_from_pb(req: pb.ReportShardRequest) -> core.ShardReport:
     return core.ShardReport(
-        req.shard_path, req.size, req.index_path, req.index_size, req.index_blake3, req.verify
+        req.shard_path,
+        req.size,
+        req.index_path,
+        req.index_size,
+        req.index_blake3,
+        req.verify,
+        staging_s=req.staging_s,
+        persist_s=req.persist_s,
+        write_s=req.write_s,
+        verify_s=req.verify_s,
     )

@@ -127,3 +127,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return cv.record_to_pb(
             await self.core.quarantine(request.job, request.step, request.reason)
         )
+
+    @_translated
+    async def RecordTier(
+        self, request: pb.RecordTierRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RecordTierResponse:
+        await self.core.record_tier(
+            request.job, request.step, request.tier, request.url, request.status, request.reason
+        )
+        return pb.RecordTierResponse()

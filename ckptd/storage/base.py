@@ -8,7 +8,7 @@ that directory, and is confined to it. The call order of a save:
     h.write(offset, length, pieces) ...         from many threads, positional
     h.finish()                                  data and directory entry durable
     write_atomic(step/shards/rank-R.json, b)    tmp, fsync, rename, fsync dir
-    write_atomic(step/MANIFEST.json, b)         last: the commit point
+    create_only(step/MANIFEST.json, b)          last: the commit point (never replaces one)
 
 Reads: `open_read(path, cold=...)` gives a handle whose `read(offset, length)` is safe to
 call from many threads; with cold=True the bytes come from the device, not the page cache
@@ -21,6 +21,8 @@ import abc
 from collections.abc import Sequence
 
 import numpy as np
+
+from ckptd.errors import CheckpointExists
 
 # A piece of a write: (absolute file offset, 1-D contiguous uint8 array).
 Piece = tuple[int, np.ndarray]
@@ -86,6 +88,17 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def write_atomic(self, path: str, data: bytes) -> None:
         """Replace `path` with `data` atomically and durably."""
+
+    def create_only(self, path: str, data: bytes) -> None:
+        """Write `path` atomically unless it exists; raises CheckpointExists when it does.
+
+        This default checks, then writes: two writers racing between the check and the
+        write can both succeed (the later replaces the earlier). Backends whose store
+        offers an atomic create-if-absent (S3 `If-None-Match: *`) override it.
+        """
+        if self.exists(path):
+            raise CheckpointExists(f"{self.url}/{path} already exists; it is never replaced")
+        self.write_atomic(path, data)
 
     @abc.abstractmethod
     def read_bytes(self, path: str, *, limit: int) -> bytes:

@@ -1,13 +1,25 @@
 """Storage through fsspec (memory://, s3://, gs://, ...): the portable path.
 
 Object stores have no positional writes, so a shard is assembled in host memory and
-uploaded in one call at `finish()`; reads are ranged GETs (`cat_file(start, end)`).
-"Atomic" replace is write-to-temporary then move; on object stores the manifest is the
-only file a reader trusts, and it is written last.
+uploaded in one call at `finish()` (`pipe_file`: s3fs sends a large one as a multipart
+upload, `upload_concurrency` parts at a time); reads are ranged GETs (`cat_file(start,
+end)`); whole committed steps are copied up with the bulk `put` (ckptd.storage.mirror).
+
+An object PUT (and a completed multipart upload) is atomic: readers see the whole object
+or none, so `write_atomic` is one PUT there; on other fsspec filesystems it is
+write-to-temporary then move. The manifest is written last with `create_only`: S3's
+`If-None-Match: *` (s3fs `mode="create"`) refuses to replace an existing manifest
+atomically; memory:// does the same in-process; other stores (gs://, ...) fall back to
+an exists check, then the write (racy between two writers; see docs/tiers.md).
+
+Object stores have no empty directories: `makedirs` creates nothing there, and a prefix
+exists only while an object lies under it. Listings are not cached (another process, or
+a killed one, may have changed the store since).
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
 import threading
 from collections.abc import Sequence
@@ -15,7 +27,8 @@ from collections.abc import Sequence
 import fsspec
 import numpy as np
 
-from ckptd.errors import InvalidManifest, ShardMissing, StorageError
+from ckptd import knobs
+from ckptd.errors import CheckpointExists, InvalidManifest, ShardMissing, StorageError
 from ckptd.format.layout import check_relative
 from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
 
@@ -25,24 +38,23 @@ class FsspecWriteHandle(WriteHandle):
         self.path = path
         self.size = size
         self._storage = storage
-        self._buf = np.zeros(size, dtype=np.uint8)
+        # A bytearray, so that botocore takes it as a PUT body without a copy.
+        self._data = bytearray(size)
+        self._buf = np.frombuffer(self._data, dtype=np.uint8)
 
     def write(self, offset: int, length: int, pieces: Sequence[Piece]) -> None:
         for off, arr in pieces:
             self._buf[off : off + arr.nbytes] = arr
 
     def finish(self) -> None:
-        full = self._storage.full(self.path)
         try:
-            with self._storage.fs.open(full, "wb") as f:
-                f.write(memoryview(self._buf))  # type: ignore[arg-type]
-        except OSError as e:
-            raise StorageError(f"upload of {self._storage.url}/{self.path} failed: {e}") from e
+            self._storage.upload(self.path, self._data)
         finally:
-            self._buf = np.zeros(0, dtype=np.uint8)
+            self.abort()
 
     def abort(self) -> None:
         self._buf = np.zeros(0, dtype=np.uint8)
+        self._data = bytearray()
 
 
 class FsspecReadHandle(ReadHandle):
@@ -70,12 +82,65 @@ class FsspecReadHandle(ReadHandle):
         pass
 
 
+# Stores where one PUT is atomic and there are no real directories.
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+# Stores whose pipe_file(mode="create") is an atomic create-if-absent.
+NATIVE_CREATE_ONLY = frozenset({"s3", "s3a", "memory"})
+
+
 class FsspecStorage(Storage):
     def __init__(self, url: str, **storage_options: object):
+        protocol = url.split("://", 1)[0]
+        if protocol in OBJECT_STORES:
+            # Another process (or a killed one) changes the store behind our back.
+            storage_options.setdefault("use_listings_cache", False)
         self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
         self.root = root.rstrip("/")
         self.url = url.rstrip("/")
+        self.protocol = protocol
+        self.object_store = protocol in OBJECT_STORES
+        self.native_create_only = protocol in NATIVE_CREATE_ONLY
         self._lock = threading.Lock()
+
+    def _upload_options(self, size: int) -> dict[str, object]:
+        if self.protocol not in ("s3", "s3a"):
+            return {}
+        k = knobs.get()
+        part = max(k.upload_part_size, 5 << 20, -(-size // 10_000))
+        return {"chunksize": part, "max_concurrency": k.upload_concurrency}
+
+    def upload(self, path: str, data: bytes | bytearray, *, create_only: bool = False) -> None:
+        """One object from memory: a PUT, or a multipart upload when large (s3fs)."""
+        full = self.full(path)
+        mode = "create" if create_only else "overwrite"
+        try:
+            self.fs.pipe_file(full, data, mode=mode, **self._upload_options(len(data)))
+        except FileExistsError:
+            raise CheckpointExists(
+                f"{self.url}/{path} already exists and is never replaced: another writer "
+                "committed this step first; save under a new step, or remove it (ckptctl gc)"
+            ) from None
+        except OSError as e:
+            raise StorageError(
+                f"upload of {self.url}/{path} ({len(data)} bytes) failed: {e}; the step is not "
+                "committed; check the store's credentials, endpoint and free space, then retry"
+            ) from e
+
+    def put_files(self, pairs: list[tuple[str, str]]) -> None:
+        """Bulk upload of local files [(local path, relative path)], concurrently (fsspec `put`)."""
+        if not pairs:
+            return
+        largest = max(os.path.getsize(lp) for lp, _ in pairs)
+        try:
+            self.fs.put(
+                [lp for lp, _ in pairs],
+                [self.full(rp) for _, rp in pairs],
+                **self._upload_options(largest),
+            )
+        except OSError as e:
+            raise StorageError(
+                f"bulk upload of {len(pairs)} files to {self.url} failed: {e}"
+            ) from e
 
     def full(self, path: str) -> str:
         if path == "":
@@ -84,7 +149,9 @@ class FsspecStorage(Storage):
         return posixpath.join(self.root, path)
 
     def makedirs(self, path: str) -> None:
-        self.fs.makedirs(self.full(path), exist_ok=True)
+        full = self.full(path)
+        if not self.object_store:
+            self.fs.makedirs(full, exist_ok=True)
 
     def open_write(
         self, path: str, size: int, *, preallocate: bool = False, reuse: str | None = None
@@ -96,12 +163,21 @@ class FsspecStorage(Storage):
 
     def write_atomic(self, path: str, data: bytes) -> None:
         full = self.full(path)
+        if self.object_store:
+            self.upload(path, data)  # one PUT: atomic on an object store
+            return
         tmp = f"{full}.tmp"
         try:
             self.fs.pipe_file(tmp, data)
             self.fs.mv(tmp, full)
         except OSError as e:
             raise StorageError(f"write of {self.url}/{path} failed: {e}") from e
+
+    def create_only(self, path: str, data: bytes) -> None:
+        if self.native_create_only:  # S3: If-None-Match: *; memory: open(mode="xb")
+            self.upload(path, data, create_only=True)
+            return
+        super().create_only(path, data)  # others (gs://...): check, then write (racy)
 
     def read_bytes(self, path: str, *, limit: int) -> bytes:
         n = self.size(path)
@@ -128,7 +204,7 @@ class FsspecStorage(Storage):
     def listdir(self, path: str) -> list[str]:
         full = self.full(path)
         try:
-            names = self.fs.ls(full, detail=False)
+            names = self.fs.ls(full, detail=False, refresh=True)
         except FileNotFoundError:
             return []
         return sorted(posixpath.basename(str(n).rstrip("/")) for n in names)

@@ -115,7 +115,7 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ...) -> None: ...
 
 class ReportShardRequest(_message.Message):
-    __slots__ = ("ref", "shard_path", "size", "index_path", "index_size", "index_blake3", "verify")
+    __slots__ = ("ref", "shard_path", "size", "index_path", "index_size", "index_blake3", "verify", "staging_s", "persist_s", "write_s", "verify_s")
     REF_FIELD_NUMBER: _ClassVar[int]
     SHARD_PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,10 @@ class ReportShardRequest(_message.Message):
     INDEX_SIZE_FIELD_NUMBER: _ClassVar[int]
     INDEX_BLAKE3_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    STAGING_S_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_S_FIELD_NUMBER: _ClassVar[int]
+    WRITE_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     ref: SaveRef
     shard_path: str
     size: int
@@ -130,7 +134,11 @@ class ReportShardRequest(_message.Message):
     index_size: int
     index_blake3: str
     verify: str
-    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., shard_path: _Optional[str] = ..., size: _Optional[int] = ..., index_path: _Optional[str] = ..., index_size: _Optional[int] = ..., index_blake3: _Optional[str] = ..., verify: _Optional[str] = ...) -> None: ...
+    staging_s: float
+    persist_s: float
+    write_s: float
+    verify_s: float
+    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., shard_path: _Optional[str] = ..., size: _Optional[int] = ..., index_path: _Optional[str] = ..., index_size: _Optional[int] = ..., index_blake3: _Optional[str] = ..., verify: _Optional[str] = ..., staging_s: _Optional[float] = ..., persist_s: _Optional[float] = ..., write_s: _Optional[float] = ..., verify_s: _Optional[float] = ...) -> None: ...
 
 class AwaitCommitRequest(_message.Message):
     __slots__ = ("ref", "timeout_ms")
@@ -213,3 +221,23 @@ class QuarantineRequest(_message.Message):
     step: int
     reason: str
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RecordTierRequest(_message.Message):
+    __slots__ = ("job", "step", "tier", "url", "status", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    tier: str
+    url: str
+    status: str
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., tier: _Optional[str] = ..., url: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RecordTierResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -79,6 +79,11 @@ class CoordinatorStub:
                 request_serializer=ckptd_dot_v1_dot_coordinator__pb2.QuarantineRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_coordinator__pb2.CheckpointInfo.FromString,
                 _registered_method=True)
+        self.RecordTier = channel.unary_unary(
+                '/ckptd.v1.Coordinator/RecordTier',
+                request_serializer=ckptd_dot_v1_dot_coordinator__pb2.RecordTierRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_coordinator__pb2.RecordTierResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -152,6 +157,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordTier(self, request, context):
+        """A tier beyond the job's directory (a mirror) reports what it holds of a step:
+        UPLOADING, HELD (read back, verified, manifest written there), FAILED, or REMOVED
+        (retention in that tier). The catalog's view only; the tier's storage is the truth.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -199,6 +213,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Quarantine,
                     request_deserializer=ckptd_dot_v1_dot_coordinator__pb2.QuarantineRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_coordinator__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'RecordTier': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordTier,
+                    request_deserializer=ckptd_dot_v1_dot_coordinator__pb2.RecordTierRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_coordinator__pb2.RecordTierResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +463,33 @@ class Coordinator:
             '/ckptd.v1.Coordinator/Quarantine',
             ckptd_dot_v1_dot_coordinator__pb2.QuarantineRequest.SerializeToString,
             ckptd_dot_v1_dot_coordinator__pb2.CheckpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordTier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Coordinator/RecordTier',
+            ckptd_dot_v1_dot_coordinator__pb2.RecordTierRequest.SerializeToString,
+            ckptd_dot_v1_dot_coordinator__pb2.RecordTierResponse.FromString,
             options,
             channel_credentials,
             insecure,

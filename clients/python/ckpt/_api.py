@@ -36,17 +36,43 @@ PathLike = str | os.PathLike[str]
 
 @dataclasses.dataclass(frozen=True)
 class SaveResult:
+    """What a committed save cost. The phases are this rank's (the coordinator exports the
+    same timings of every rank as Prometheus metrics): staging (blocking) -> persist
+    (background: hashing, planning, write_s, verify_s) -> commit (report to COMMITTED)."""
+
     step: int
     path: str  # the step directory
-    bytes: int  # bytes in the shard files
+    bytes: int  # bytes this rank wrote into its shard
     seconds: float  # wall time of the whole save
     write_s: float = 0.0  # writing + hashing + fsync
     verify_s: float = 0.0  # re-reading and checking
     tensors: int = 0
+    staging_s: float = 0.0  # copy into host memory (0 for a blocking single-process save)
+    persist_s: float = 0.0  # the background part up to the report (includes write_s, verify_s)
+    commit_s: float = 0.0  # from this rank's report (or the manifest write) to COMMITTED
+    blocking_s: float = 0.0  # what the training loop waited for
 
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def log_saved(result: SaveResult, where: str) -> None:
+    """One INFO line per committed save (logger "ckpt"), so the timings land in job logs."""
+    log.info(
+        "%s: committed %.3f GB in %.2f s (%.2f GB/s): blocking %.3f s, staging %.3f s, "
+        "persist %.2f s (write %.2f s, verify %.2f s), commit %.2f s",
+        where,
+        result.bytes / 1e9,
+        result.seconds,
+        result.gbps,
+        result.blocking_s,
+        result.staging_s,
+        result.persist_s,
+        result.write_s,
+        result.verify_s,
+        result.commit_s,
+    )
 
 
 def _world() -> tuple[int, int]:
@@ -186,7 +212,9 @@ def save(
             state=node,
             metadata=meta,
         )
+        t_commit = time.perf_counter()
         ckfmt.commit(storage, manifest)
+        commit_s = time.perf_counter() - t_commit
     except BaseException:
         # Not committed: remove the debris now; earlier steps are untouched.
         try:
@@ -206,9 +234,13 @@ def save(
         write_s=stats.write_s,
         verify_s=stats.verify_s,
         tensors=len(items),
+        persist_s=seconds - commit_s,
+        commit_s=commit_s,
+        blocking_s=seconds,
     )
-    log.info(
-        "saved step %d: %.2f GB in %.2f s (%.2f GB/s)", step, info.size / 1e9, seconds, result.gbps
+    log_saved(result, f"job {job!r} step {step}")
+    log.debug(
+        "job %r step %d: %d tensor(s) in %s (verify=%s)", job, step, len(items), info.path, verify
     )
     return result
 

@@ -14,6 +14,7 @@ group's key-value store is used once, at start, to find a zero-config coordinato
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -26,22 +27,30 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckpt import _hooks, _resume, _world
-from ckpt._api import LoadResult, SaveResult, _check_metadata
+from ckpt._api import LoadResult, SaveResult, _check_metadata, log_saved
 from ckpt._embedded import EmbeddedCoordinator
 from ckpt._flatten import flatten
+from ckpt._mirror import MirrorUploader
 from ckpt._pending import PendingSave
 from ckpt._restore import load_checkpoint
 from ckpt._staging import HostImage, stage
+from ckpt._tiers import load_tiered
 from ckpt._transport import CoordinatorClient
 from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
-from ckptd.errors import CkptError, SaveAborted, SaveFailed
+from ckptd.errors import (
+    CheckpointNotFound,
+    CkptError,
+    CoordinatorUnavailable,
+    SaveAborted,
+    SaveFailed,
+)
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
 from ckptd.format.writer import ShardWriter, ShardWriteStats, WriteItem, hash_items, plan_offsets
-from ckptd.storage import open_storage
+from ckptd.storage import Storage, open_storage
 
 log = logging.getLogger("ckpt")
 
@@ -53,6 +62,12 @@ class Checkpointer:
     coordinator: "host:port" of a `ckptd serve`; default $CKPTD_ADDRESS, else zero-config
         (this process, or rank 0 under torchrun, hosts one).
     keep_last: keep the newest N committed steps (None: keep all).
+    mirror: a second tier (an fsspec URL such as "s3://bucket/job", a path, or a Storage
+        built with its own options, e.g. FsspecStorage(url, endpoint_url=...)): each
+        committed step is copied there in the background, read back and verified, and
+        committed there too (ckpt._mirror); loads fall back to it (ckpt._tiers).
+    mirror_keep_last: retention in the mirror (None: keep all); independent of keep_last.
+    mirror_close_timeout_s: how long close() waits for the last copy to the mirror.
     attempt: names this launch of the job (see ckpt._world); older attempts are fenced.
     save_on_preemption: install handlers for `preemption_signals` (default SIGTERM and
         SIGUSR1) that only note the signal; the next maybe_save() finishes the save in
@@ -80,6 +95,9 @@ class Checkpointer:
         save_on_preemption: bool = False,
         preemption_signals: Sequence[int] = _hooks.DEFAULT_SIGNALS,
         exit_on_preemption: bool = True,
+        mirror: str | os.PathLike[str] | Storage | None = None,
+        mirror_keep_last: int | None = None,
+        mirror_close_timeout_s: float = 600.0,
     ):
         if verify not in ("full", "size"):
             raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
@@ -87,6 +105,8 @@ class Checkpointer:
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        if mirror_keep_last is not None and mirror_keep_last < 1:
+            raise ValueError(f"mirror_keep_last must be at least 1, got {mirror_keep_last}")
         if save_on_preemption:
             _hooks.check_main_thread()  # before anything is started that would need closing
         p = os.fspath(path)
@@ -112,6 +132,29 @@ class Checkpointer:
         self.attempt = attempt
         self.generation, self.job_name = self.client.open_job(self.path, attempt)
         self.storage = open_storage(self.path, create=True)
+        self.mirror_storage = (
+            mirror
+            if mirror is None or isinstance(mirror, Storage)
+            else open_storage(mirror, create=True)
+        )
+        self.mirror_close_timeout_s = mirror_close_timeout_s
+        self._mirror = (
+            MirrorUploader(
+                self.storage,
+                self.mirror_storage,
+                job=self.path,
+                keep_last=mirror_keep_last,
+                record=self._record_mirror,
+            )
+            if self.mirror_storage is not None and self.rank == 0
+            else None
+        )
+        if self._mirror is not None:
+            # Catch up: a copy a previous run did not finish (killed, mirror down) is
+            # redone; the thread finds out whether the mirror has it (then nothing moves).
+            newest = ckfmt.latest_step(self.storage)
+            if newest is not None:
+                self._mirror.submit(newest)
         self.on_error = on_error
         if staging_budget_bytes is not None and staging_budget_bytes < 0:
             raise ValueError(f"staging_budget_bytes must be >= 0, got {staging_budget_bytes}")
@@ -314,7 +357,7 @@ class Checkpointer:
         """The background part of a save; records the outcome in `pending`, never raises."""
         t0 = time.perf_counter()
         try:
-            result = self._persist_steps(job, pending)
+            result = self._persist_steps(job, pending, t0)
         except BaseException as e:  # handed to the training loop through the PendingSave
             pending.timings.persist_s = time.perf_counter() - t0
             pending._finish(None, e)
@@ -322,9 +365,20 @@ class Checkpointer:
                 log.warning("job %s step %d failed: %s", self.path, job.step, e)
             return
         pending.timings.persist_s = time.perf_counter() - t0 - pending.timings.commit_s
+        t = pending.timings
+        result = dataclasses.replace(
+            result,
+            staging_s=t.staging_s,
+            persist_s=t.persist_s,
+            commit_s=t.commit_s,
+            blocking_s=t.blocking_s,
+        )
+        log_saved(result, f"job {self.path!r} step {job.step} rank {self.rank}/{self.world_size}")
         pending._finish(result, None)
+        if self._mirror is not None:
+            self._mirror.submit(job.step)  # committed locally: now the copy to the mirror
 
-    def _persist_steps(self, job: _SaveJob, pending: PendingSave) -> SaveResult:
+    def _persist_steps(self, job: _SaveJob, pending: PendingSave, t0: float) -> SaveResult:
         step, items = job.step, job.items
         ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
         where = f"job {self.path!r} step {step} rank {self.rank}/{self.world_size}"
@@ -366,6 +420,14 @@ class Checkpointer:
             raise
         for w in begun.warnings:
             log.warning("%s: %s", where, w)
+        log.debug(
+            "%s: planned %d chunk(s), writes %d (%s) after %.3f s at the barrier",
+            where,
+            len(plan),
+            len(begun.write),
+            begun.shard_path,
+            time.perf_counter() - t_begin,
+        )
         stop = threading.Event()
         pinger = threading.Thread(
             target=self._keep_alive, args=(ref, begun.lease_s, stop), daemon=True
@@ -375,7 +437,25 @@ class Checkpointer:
         try:
             info = self._write(job, begun.write, digests, stats)
             report = ShardReport(
-                info.path, info.size, info.index, info.index_size, info.index_blake3, self.verify
+                info.path,
+                info.size,
+                info.index,
+                info.index_size,
+                info.index_blake3,
+                self.verify,
+                staging_s=pending.timings.staging_s,
+                persist_s=time.perf_counter() - t0,
+                write_s=stats.write_s,
+                verify_s=stats.verify_s,
+            )
+            log.debug(
+                "%s: shard %s written (%d bytes): write %.3f s, verify %.3f s (%s)",
+                where,
+                info.path,
+                info.size,
+                stats.write_s,
+                stats.verify_s,
+                self.verify,
             )
             crash_point("rank.before_report")
             t_report = time.perf_counter()
@@ -472,6 +552,18 @@ class Checkpointer:
         every rank of an initialized process group must call this (they agree on the step).
         """
         self._check_open()
+        if self.mirror_storage is not None:
+            return load_tiered(
+                self.tiers,
+                state,
+                step=step,
+                strict=strict,
+                keys=keys,
+                cast=cast,
+                rank=self.rank,
+                on_quarantine=self._tier_quarantined,
+                catalog_blake3=self._catalog_blake3,
+            )
         return load_checkpoint(
             self.storage,
             state,
@@ -482,7 +574,49 @@ class Checkpointer:
             fallback=fallback,
             rank=self.rank,
             on_quarantine=self._quarantined,
+            catalog_blake3=self._catalog_blake3,
         )
+
+    def _catalog_blake3(self, step: int) -> str | None:
+        """The manifest digest the coordinator committed for `step`; None if it never saw
+        the step (saved elsewhere, or a catalog rebuilt without it): storage alone decides."""
+        try:
+            info = self.client.get_checkpoint(self.path, step)
+        except (CheckpointNotFound, CoordinatorUnavailable) as e:
+            # Storage alone describes a checkpoint (promise 6): a restore never depends on
+            # the coordinator being up, so this check is skipped, loudly, when it is not.
+            log.warning(
+                "job %s step %d: %s; loading it on storage's word alone (its manifest is not "
+                "checked against the catalog's commit record)",
+                self.path,
+                step,
+                "not in the coordinator's catalog"
+                if isinstance(e, CheckpointNotFound)
+                else f"the coordinator is unreachable ({e})",
+            )
+            return None
+        return info.manifest_blake3 or None
+
+    @property
+    def tiers(self) -> list[tuple[str, Any]]:
+        """(name, Storage) of each tier, nearest first: "local" (the job's path), "mirror"."""
+        out: list[tuple[str, Any]] = [("local", self.storage)]
+        if self.mirror_storage is not None:
+            out.append(("mirror", self.mirror_storage))
+        return out
+
+    def _tier_quarantined(self, tier: str, step: int, reason: str) -> None:
+        if tier == "local":
+            self._quarantined(step, reason)
+        else:
+            self._record_mirror(step, "FAILED", f"quarantined: {reason}")
+
+    def _record_mirror(self, step: int, status: str, reason: str) -> None:
+        """The coordinator's catalog records what the mirror holds (RecordTier)."""
+        if self.mirror_storage is not None:
+            self.client.record_tier(
+                self.path, step, "mirror", self.mirror_storage.url, status, reason
+            )
 
     def _quarantined(self, step: int, reason: str) -> None:
         """A load found `step` corrupt: record it in the coordinator's catalog too."""
@@ -623,6 +757,8 @@ class Checkpointer:
             p = self._inflight
             if p is not None:
                 p._done.wait()
+            if self._mirror is not None:
+                self._mirror.close(self.mirror_close_timeout_s)
             self._wait_for_peers()
             self._closed = True
             self._worker.shutdown(wait=True)

@@ -7,8 +7,9 @@ token. Other ranks learn the address and token through torch.distributed's store
 is a key-value service, not a collective: a slow rank never blocks another's training.
 
 The catalog lives in `<job>/.ckptd/catalog.sqlite` when the job directory is on a local
-filesystem, else under `$CKPTD_CATALOG_DIR` or `~/.cache/ckptd/catalogs/<hash>/`
-(SQLite is not safe on NFS/Lustre). It can always be rebuilt from storage.
+filesystem, else (a network filesystem, or an object store URL such as s3://bucket/job)
+under `$CKPTD_CATALOG_DIR` or `~/.cache/ckptd/catalogs/<hash>/` (SQLite is not safe on
+NFS/Lustre, and cannot live in a bucket). It can always be rebuilt from storage.
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ from ckptd.server import ServerOptions, create_server
 
 def catalog_path(job_path: str) -> str:
     override = os.environ.get("CKPTD_CATALOG_DIR")
-    digest = hashlib.sha256(os.path.realpath(job_path).encode()).hexdigest()[:16]
+    url = "://" in job_path  # an object store: the catalog cannot live beside the job
+    digest = hashlib.sha256(
+        (job_path.rstrip("/") if url else os.path.realpath(job_path)).encode()
+    ).hexdigest()[:16]
     if override:
         return os.path.join(override, digest, "catalog.sqlite")
+    if url:
+        return os.path.join(os.path.expanduser("~/.cache/ckptd/catalogs"), digest, "catalog.sqlite")
     local = os.path.join(job_path, ".ckptd", "catalog.sqlite")
     probe = job_path
     while not os.path.exists(probe):
@@ -51,9 +57,13 @@ class EmbeddedCoordinator:
         lease_s: float = 60.0,
         barrier_timeout_s: float = 600.0,
     ):
-        self.job_path = os.path.realpath(os.path.abspath(job_path))
-        os.makedirs(self.job_path, exist_ok=True)
-        self.root = os.path.dirname(self.job_path)
+        if "://" in job_path:  # an fsspec URL (s3://bucket/job): the root is its parent
+            self.job_path = job_path.rstrip("/")
+            self.root = self.job_path.rsplit("/", 1)[0]
+        else:
+            self.job_path = os.path.realpath(os.path.abspath(job_path))
+            os.makedirs(self.job_path, exist_ok=True)
+            self.root = os.path.dirname(self.job_path)
         self.token = secrets.token_urlsafe(24)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

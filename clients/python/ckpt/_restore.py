@@ -493,8 +493,9 @@ def _load_step(
     cast: bool,
     rank: int,
     threads: int | None,
+    manifest_blake3: str | None = None,
 ) -> tuple[OpenCheckpoint, Planner, Any, int]:
-    ck = ckfmt.open_checkpoint(storage, step)
+    ck = ckfmt.open_checkpoint(storage, step, manifest_blake3=manifest_blake3)
     planner = Planner(ck, strict=strict, rank=rank, keys=keys, cast=cast)
     restored = planner.restore(ck.manifest.state, state, "")
     planner.check()
@@ -514,6 +515,7 @@ def load_checkpoint(
     rank: int = 0,
     threads: int | None = None,
     on_quarantine: Callable[[int, str], None] | None = None,
+    catalog_blake3: Callable[[int], str | None] | None = None,
 ) -> LoadResult:
     """Load `step` (default: the newest committed, not quarantined) into `state`.
 
@@ -524,6 +526,10 @@ def load_checkpoint(
     warning. Under an initialized torch.distributed process group every rank must call
     this: the ranks agree (one all_reduce per step tried) so that all of them load the same
     step even when only one rank's reads hit the damage.
+
+    catalog_blake3(step): the manifest digest the coordinator's catalog recorded at commit
+    (None: the catalog does not know the step, storage alone is trusted); a manifest that
+    differs is CorruptCheckpoint, like any other damage.
     """
     t0 = time.perf_counter()
     patterns = _keys_patterns(keys)
@@ -548,7 +554,15 @@ def load_checkpoint(
 
     def attempt(at: int) -> tuple[OpenCheckpoint, Planner, Any, int]:
         return _load_step(
-            storage, state, at, strict=strict, keys=patterns, cast=cast, rank=rank, threads=threads
+            storage,
+            state,
+            at,
+            strict=strict,
+            keys=patterns,
+            cast=cast,
+            rank=rank,
+            threads=threads,
+            manifest_blake3=catalog_blake3(at) if catalog_blake3 is not None else None,
         )
 
     if step is not None or not fallback:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ckpt._tiers import tier_steps
 from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
 from ckptd.format import checkpoint as ckfmt
 
@@ -30,7 +31,9 @@ log = logging.getLogger("ckpt")
 
 
 def resume(cp: Checkpointer, state: Any, *, allow_fresh_start: bool, strict: bool) -> int | None:
-    steps = ckfmt.list_steps(cp.storage)
+    # With a mirror, a step counts when any tier holds it (a wiped local disk resumes
+    # from the mirror, not from scratch).
+    steps = tier_steps(cp.tiers) if cp.mirror_storage is not None else ckfmt.list_steps(cp.storage)
     lead = cp.rank == 0  # one rank tells what storage holds; every rank tells its own failures
     skipped = [s for s in reversed(steps) if s.status != ckfmt.COMMITTED]
     for s in skipped:

@@ -82,7 +82,9 @@ class CoordinatorClient:
                 if code in RETRYABLE or code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise CoordinatorUnavailable(
                         f"{what}: coordinator {self.address} unreachable or too slow ({code.name}: {details}); "
-                        "check that it runs (CKPTD_ADDRESS) and that this host can reach it"
+                        "check that it runs (CKPTD_ADDRESS), that this host can reach it, and that "
+                        "the TLS settings match the server's (tls_root_cert for a TLS server, "
+                        "a client certificate its CA signed for mutual TLS)"
                     ) from None
                 raise error_from(code, f"{what}: {details}") from None
 
@@ -153,6 +155,10 @@ class CoordinatorClient:
             index_size=report.index_size,
             index_blake3=report.index_blake3,
             verify=report.verify,
+            staging_s=report.staging_s,
+            persist_s=report.persist_s,
+            write_s=report.write_s,
+            verify_s=report.verify_s,
         )
         return cv.status_from_pb(self._call(_what(ref), self._stub.ReportShard, req, timeout_s=120))
 
@@ -183,6 +189,14 @@ class CoordinatorClient:
     def quarantine(self, job: str, step: int, reason: str) -> pb.CheckpointInfo:
         req = pb.QuarantineRequest(job=job, step=step, reason=reason[:4000])
         return self._call(f"job {job!r} step {step}", self._stub.Quarantine, req, timeout_s=30)
+
+    def record_tier(
+        self, job: str, step: int, tier: str, url: str, status: str, reason: str = ""
+    ) -> None:
+        req = pb.RecordTierRequest(
+            job=job, step=step, tier=tier, url=url, status=status, reason=reason[:4000]
+        )
+        self._call(f"job {job!r} step {step} tier {tier}", self._stub.RecordTier, req)
 
 
 def _what(ref: SaveRef) -> str:

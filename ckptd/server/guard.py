@@ -1,0 +1,80 @@
+"""Per-call guards in front of the servicer: undecodable requests and runaway clients.
+
+gRPC answers a request whose bytes do not parse with UNKNOWN and a Python exception
+name; here it becomes INVALID_ARGUMENT with a message that says what to check. And one
+client (one connection) may hold at most `max_calls` calls at once: BeginSave and
+AwaitCommit legitimately wait, so the server-wide limit (ServerOptions.
+max_concurrent_rpcs) is high, and without a per-client share a single buggy client that
+leaks waiting calls would exhaust it and lock every other job out. A client over its share
+gets RESOURCE_EXHAUSTED at once; the others are not affected.
+
+A client is a connection (the peer address gRPC reports): every rank process has its own.
+Channels of one process with equal options share one connection (gRPC's global subchannel
+pool) and so one share; over a unix socket all clients share one peer name.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+
+class _Undecodable:
+    def __init__(self, why: str):
+        self.why = why
+
+
+class CallGuard(grpc.aio.ServerInterceptor):
+    def __init__(self, max_calls_per_client: int):
+        self.max_calls = max_calls_per_client
+        self.active: collections.Counter[str] = collections.Counter()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler  # streaming (health Watch, reflection): not ours to guard
+        method = details.method
+        decode = handler.request_deserializer
+        inner = handler.unary_unary
+
+        def lenient(data: bytes) -> Any:
+            if decode is None:
+                return data
+            try:
+                return decode(data)
+            except Exception as e:  # noqa: BLE001 - any parse failure is the client's
+                return _Undecodable(f"{type(e).__name__}: {e}"[:300])
+
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method}: the request is not a valid protobuf message for this method "
+                    f"({request.why}); check that the client and the coordinator run the "
+                    "same ckptd version",
+                )
+            peer = context.peer()
+            n = self.active[peer]
+            if n >= self.max_calls:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{method}: client {peer} already has {n} calls in flight, the limit per "
+                    f"client connection is {self.max_calls}; wait for answers before sending "
+                    "more calls (a rank needs a few), or raise --max-calls-per-client",
+                )
+            self.active[peer] = n + 1
+            try:
+                return await inner(request, context)
+            finally:
+                self.active[peer] -= 1
+                if self.active[peer] <= 0:
+                    del self.active[peer]
+
+        return handler._replace(unary_unary=guarded, request_deserializer=lenient)
