@@ -24,6 +24,7 @@ from ckptd.coordinator.core import Coordinator
 from ckptd.errors import CkptError
 from ckptd.server import ServerOptions, create_server
 from ckptd.server.auth import load_token
+from ckptd.storage.local import makedirs_durable
 
 log = logging.getLogger("ckptd")
 
@@ -87,7 +88,7 @@ async def serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
-    os.makedirs(args.root, exist_ok=True)
+    makedirs_durable(args.root)
     catalog = Catalog(_catalog_path(args), allow_network_fs=args.allow_network_catalog)
     core = Coordinator(
         args.root, catalog, lease_s=args.lease, barrier_timeout_s=args.barrier_timeout

@@ -95,6 +95,20 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def makedirs_durable(full: str) -> None:
+    """os.makedirs, then fsync the parent of every directory it created: a new directory's
+    entry survives a power cut only once its parent is fsynced (without this, a job
+    directory created by the first save, and every checkpoint in it, could vanish)."""
+    missing = []
+    d = full
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        missing.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(full, exist_ok=True)
+    for d in reversed(missing):
+        fsync_dir(os.path.dirname(d))
+
+
 class LocalWriteHandle(WriteHandle):
     def __init__(
         self,
@@ -332,7 +346,7 @@ class LocalStorage(Storage):
         self.direct_io = direct_io
         self.early_writeback = early_writeback
         if create:
-            os.makedirs(self.root, exist_ok=True)
+            makedirs_durable(self.root)
 
     # -- paths -------------------------------------------------------------------------
     def full(self, path: str) -> str:
@@ -381,15 +395,8 @@ class LocalStorage(Storage):
     # -- Storage -----------------------------------------------------------------------
     def makedirs(self, path: str) -> None:
         full = self.full(path)
-        missing = []
-        d = full
-        while not os.path.isdir(d) and d != self.root:
-            missing.append(d)
-            d = os.path.dirname(d)
         try:
-            os.makedirs(full, exist_ok=True)
-            for d in reversed(missing):
-                fsync_dir(os.path.dirname(d))
+            makedirs_durable(full)
         except OSError as e:
             raise self.io_error("mkdir", path, e) from e
 
