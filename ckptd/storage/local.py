@@ -182,17 +182,23 @@ class LocalWriteHandle(WriteHandle):
             buf = pieces[0][1]
         else:
             buf = self._assemble(offset, n, pieces)
-        try:
-            done = os.pwrite(self._fd, memoryview(buf), offset)  # type: ignore[arg-type]
-        except OSError as e:
-            # Some filesystems accept O_DIRECT at open and refuse it at write.
-            if e.errno != errno.EINVAL:
-                raise
-            self._reopen_buffered()
-            self._write_buffered(offset, length, pieces)
-            return
-        if done != n:
-            raise OSError(errno.EIO, f"short write: {done} of {n} bytes")
+        done = 0
+        while done < n:
+            try:
+                w = os.pwrite(self._fd, memoryview(buf)[done:n], offset + done)  # type: ignore[arg-type]
+            except OSError as e:
+                # Some filesystems accept O_DIRECT at open and refuse it at write.
+                if e.errno != errno.EINVAL or done:
+                    raise
+                self._reopen_buffered()
+                self._write_buffered(offset, length, pieces)
+                return
+            # A short write (the disk filled up, a signal) goes on from where it stopped,
+            # so the next call reports the real cause (ENOSPC); only a block-aligned rest
+            # can go on with O_DIRECT.
+            if w <= 0 or (done + w < n and (done + w) % ALIGN):
+                raise OSError(errno.EIO, f"short write: {done + max(w, 0)} of {n} bytes")
+            done += w
 
     def _assemble(self, offset: int, n: int, pieces: Sequence[Piece]) -> np.ndarray:
         buf = _bounce.get(n)
