@@ -190,7 +190,7 @@ def test_power_loss_catches_a_missing_directory_fsync(
             return
         real(path)
 
-    with tally.fault(f"power-loss:missing-dir-fsync(caught):{site}"):
+    with tally.fault("power-loss:missing-dir-fsync(caught)"):
         monkeypatch.setattr(local, "fsync_dir", fsync_dir)
         sim, world = record("client", tmp_path, monkeypatch)
         monkeypatch.setattr(local, "fsync_dir", real)
