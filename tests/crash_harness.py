@@ -31,6 +31,7 @@ from coordinator_fixtures import (
     Rank,
     RankSim,
     Serve,
+    ckptctl_json,
     new_core,
     read_catalog,
     run,
@@ -43,6 +44,21 @@ import ckpt
 from ckptd.format import checkpoint as ckfmt
 from ckptd.storage import open_storage
 
+# point -> the step that must be the newest committed one afterwards (1 old, 2 new)
+RANK_POINTS = {
+    "rank.after_stage": 1,  # never joined: the barrier times out
+    "rank.mid_write": 1,  # half a shard: the lease expires
+    "rank.before_report": 1,  # whole shard, never reported: the lease expires
+    "rank.after_report": 2,  # reported: the other rank's report completes the commit
+}
+COORDINATOR_POINTS = {
+    "coordinator.after_barrier": 1,  # planned, nothing reported: the restart aborts it
+    "coordinator.mid_manifest": 2,  # all reports are durable: the restart commits
+    "coordinator.after_manifest_rename": 2,  # committed on storage: the restart records it
+    "coordinator.after_catalog_commit": 2,  # committed; the ranks' retries are told so
+    "coordinator.during_retention": 2,  # retiring an older step after committing the new one
+}
+
 _ctx: Any = None
 _SCRUB = ("CKPT_", "CKPTD_", "TORCHELASTIC_")
 _SCRUB_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
@@ -52,8 +68,10 @@ def _forkserver() -> Any:
     global _ctx
     if _ctx is None:
         ctx = multiprocessing.get_context("forkserver")
-        # Only torch and numpy: grpc must be imported after the fork, not before it.
-        ctx.set_forkserver_preload(["torch", "numpy"])
+        # Imported once, shared by every fork (ckpt imports grpc's module but starts no
+        # thread nor channel, so forking after it is safe). A module that does not import
+        # in the server is skipped and imported by each child instead.
+        ctx.set_forkserver_preload(["torch", "numpy", "ckpt", "ckpt._checkpointer"])
         _ctx = ctx
     return _ctx
 
@@ -211,6 +229,13 @@ class Job:
             r.kill()
         for s in self.serves:
             s.kill()
+
+    def coordinator_steps(self, serve: Serve) -> dict[int, dict[str, Any]]:
+        doc = ckptctl_json("list", str(self.job), "--coordinator", serve.address, "--token", TOKEN)
+        return {s["step"]: s for s in doc["steps"]}
+
+    def storage_steps(self) -> dict[int, str]:
+        return {s["step"]: s["status"] for s in ckptctl_json("list", str(self.job))["steps"]}
 
     def logs(self) -> str:
         return "\n".join(

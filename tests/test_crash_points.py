@@ -18,26 +18,11 @@ from pathlib import Path
 
 import pytest
 from coordinator_fixtures import ckptctl, read_catalog, step_files, wait_for
-from crash_harness import Job, check_invariant, wait_all
+from crash_harness import COORDINATOR_POINTS, RANK_POINTS, Job, check_invariant, wait_all
 
 import ckptd.faults
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
-
-# point -> the step that must be the newest committed one afterwards (1 old, 2 new)
-RANK_POINTS = {
-    "rank.after_stage": 1,  # never joined: the barrier times out
-    "rank.mid_write": 1,  # half a shard: the lease expires
-    "rank.before_report": 1,  # whole shard, never reported: the lease expires
-    "rank.after_report": 2,  # reported: the other rank's report completes the commit
-}
-COORDINATOR_POINTS = {
-    "coordinator.after_barrier": 1,  # planned, nothing reported: the restart aborts it
-    "coordinator.mid_manifest": 2,  # all reports are durable: the restart commits
-    "coordinator.after_manifest_rename": 2,  # committed on storage: the restart records it
-    "coordinator.after_catalog_commit": 2,  # committed; the ranks' retries are told so
-    "coordinator.during_retention": 2,  # retiring an older step after committing the new one
-}
 
 
 def test_every_named_crash_point_is_covered() -> None:
