@@ -8,7 +8,8 @@ single-process one (ckpt.save writes its own manifest) and the coordinator one (
 Checkpointer with its embedded coordinator, which writes the manifest). Afterwards the
 failed step is not committed and leaves no files, and the previous step verifies and
 loads bit-exactly. Last, a shard deleted between its report and the commit: the
-coordinator's commit-time check refuses to commit.
+coordinator's commit-time check refuses to commit; deleted after that check (during the
+manifest write), verify and load catch it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from ckpt_testutil import DelegatingStorage
 from coordinator_fixtures import RankSim, new_core, run, started, step_files, wait_for
 from crash_harness import assert_loads
 from ranks.plain_rank import make_state
@@ -320,3 +322,58 @@ def assert_not_committed_world(job: Path, monkeypatch: pytest.MonkeyPatch) -> No
     st = open_storage(str(job))
     assert ckfmt.latest_step(st) == 1 and ckfmt.verify_checkpoint(st, 1).ok
     assert_loads(job, 1, 1, 2, monkeypatch)
+
+
+def test_shard_deleted_during_commit_is_caught_by_verify_and_load_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tally
+) -> None:
+    """The limit of the commit-time check: a shard removed after it (here: while the
+    manifest is being written) commits a step with a hole. Nothing can prevent that from
+    inside ckptd; what must hold is that it is caught, not loaded: verify names the file,
+    and a load of the newest step falls back to the previous one and quarantines it."""
+    root = tmp_path / "root"
+    job = root / "job"
+
+    class DeletesBeforeManifest(DelegatingStorage):
+        armed = False
+
+        def write_atomic(self, path: str, data: bytes) -> None:
+            if self.armed and path.endswith("MANIFEST.json"):
+                os.unlink(job / "step-000000000002" / "shards" / "rank-00001.bin")
+            self.inner.write_atomic(path, data)
+
+    wrapped: list[DeletesBeforeManifest] = []
+
+    def factory(p: str) -> Any:
+        wrapped.append(DeletesBeforeManifest(open_storage(p, create=True)))
+        return wrapped[-1]
+
+    async def go() -> None:
+        async with started(new_core(root, storage_factory=factory)) as core:
+            for step in (1, 2):
+                if wrapped:  # the core opens the job's storage at the first save
+                    wrapped[0].armed = step == 2
+                sims = [RankSim(core, str(job), r, 2) for r in range(2)]
+                for s in sims:
+                    s.prepare(make_state(step, s.rank, step))
+                got = await asyncio.gather(*(s.save(step, metadata={"seed": step}) for s in sims))
+                assert [g.status for g in got] == ["COMMITTED"] * 2, got
+
+    with tally.fault("shard-deleted-during-commit"):
+        run(go())
+        assert wrapped and wrapped[0].armed
+        st = open_storage(str(job))
+        rep = ckfmt.verify_checkpoint(st, 2)
+        assert not rep.ok and any("rank-00001.bin" in p for p in rep.problems), rep.problems
+        for r in range(2):
+            monkeypatch.setenv("RANK", str(r))
+            monkeypatch.setenv("WORLD_SIZE", "2")
+            got = make_state(99, r, -1)
+            res = ckpt.load(got, str(job))
+            assert res.step == 1, res
+            if r == 0:  # the first load finds the hole, falls back and quarantines step 2
+                assert res.fell_back_from == 2, res
+                assert "rank-00001.bin" in (res.fallback_reason or ""), res.fallback_reason
+            # later loads skip the quarantined step
+        assert ckfmt.quarantine_reason(st, 2) is not None
+        assert_loads(job, 1, 1, 2, monkeypatch)
