@@ -74,6 +74,17 @@ class Saver:
             self.cp = ckpt.Checkpointer(self.job)
         return self.cp.save(state, step, metadata={"seed": step}).wait()
 
+    def catalog_status(self, step: int) -> str:
+        """The coordinator's word on `step` (the client path has no coordinator)."""
+        if self.cp is None:
+            return "no coordinator"
+        from ckptd.server.converters import STATUS_FROM_PB
+
+        for c in self.cp.client.list_checkpoints(self.cp.path):
+            if c.step == step:
+                return STATUS_FROM_PB.get(c.status, "?")
+        return "absent"
+
     def close(self) -> None:
         if self.cp is not None:
             self.cp.close()
@@ -95,9 +106,14 @@ def job_of(tmp_path: Path) -> Path:
     return tmp_path / "fs" / "job"
 
 
-def assert_not_committed(job: Path, step: int, prev: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`step` failed: no manifest, no files left; `prev` is the newest, whole, bit-exact."""
+def assert_not_committed(
+    job: Path, step: int, prev: int, monkeypatch: pytest.MonkeyPatch, save: Saver | None = None
+) -> None:
+    """`step` failed: no manifest, no files left; `prev` is the newest, whole, bit-exact;
+    the coordinator (if any) holds it ABORTED."""
     assert not (job / f"step-{step:012d}" / "MANIFEST.json").exists()
+    if save is not None:
+        assert save.catalog_status(step) in ("ABORTED", "no coordinator")
     # The coordinator path removes an aborted save's files in the background.
     wait_for(lambda: step_files(job, step) == [], 10, f"the failed step {step}'s files to go")
     st = open_storage(str(job))
@@ -147,7 +163,7 @@ def test_fsync_eio_fails_the_save_and_is_never_retried(
         msg = str(ei.value)
         assert "step-000000000002" in msg or "step 2" in msg, msg
         assert "Input/output error" in msg and "nothing was committed" in msg, msg
-        assert_not_committed(job, 2, 1, monkeypatch)
+        assert_not_committed(job, 2, 1, monkeypatch, save)
 
 
 # ----------------------------------------------------------------------------- ENOSPC
@@ -185,7 +201,7 @@ def test_enospc_mid_write_fails_cleanly(
         msg = str(ei.value)
         assert "step-000000000002" in msg and "rank-00000" in msg, msg
         assert "filesystem is full" in msg, msg
-        assert_not_committed(job, 2, 1, monkeypatch)
+        assert_not_committed(job, 2, 1, monkeypatch, save)
         # Its files are gone: the space is back (give or take a directory block or two).
         assert os.statvfs(small_fs).f_bfree >= free - 4
         save(make_state(3, 0, 3), 3)  # and the next save goes through
@@ -270,7 +286,7 @@ def test_short_write_that_cannot_complete_is_a_clear_error(
             msg = str(ei.value)
             assert "short write" in msg and "rank-00000" in msg, msg
             assert "step-000000000002" in msg, msg
-            assert_not_committed(job, 2, 1, monkeypatch)
+            assert_not_committed(job, 2, 1, monkeypatch, save)
 
 
 # ----------------------------------------------------------------------------- shard deleted
