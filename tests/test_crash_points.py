@@ -18,7 +18,14 @@ from pathlib import Path
 
 import pytest
 from coordinator_fixtures import ckptctl, read_catalog, step_files, wait_for
-from crash_harness import COORDINATOR_POINTS, RANK_POINTS, Job, check_invariant, wait_all
+from crash_harness import (
+    COORDINATOR_POINTS,
+    RANK_POINTS,
+    Job,
+    check_invariant,
+    committed_on_storage,
+    wait_all,
+)
 
 import ckptd.faults
 
@@ -98,14 +105,16 @@ def test_coordinator_killed_at(point: str, fx: Job, tally, monkeypatch: pytest.M
         serve.start()  # recovery: finish or abort what the killed life left
         codes = wait_all(ranks, fx)
         assert codes == [0, 0], fx.logs()
-        want = COORDINATOR_POINTS[point]
-        expect = new if want == 2 else old[-1]
+        expect = new if COORDINATOR_POINTS[point] == 2 else old[-1]  # 2: the new step wins
         for r in ranks:
             outcome = r.outcomes()
             assert outcome == ["ok" if expect == new else "SaveAborted"], (outcome, fx.logs())
         check_invariant(fx.job, [expect], world=2, monkeypatch=monkeypatch, catalog=serve.catalog)
         if expect == old[-1]:
             assert step_files(fx.job, new) == [], "the aborted save left files"
+        if retention:  # the restarted coordinator finished retiring step 1
+            assert committed_on_storage(fx.job) == [2, 3]
+            assert not (fx.job / "step-000000000001").exists()
         rc, out, err = ckptctl("verify", str(fx.job), "--all")
         assert rc == 0, out + err
     assert serve.stop() == 0
