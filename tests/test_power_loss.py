@@ -74,7 +74,21 @@ def coordinator_run(sim: PowerLoss, job: Path) -> int:
     return 2
 
 
-RUNS = {"client": client_run, "coordinator": coordinator_run}
+def checkpointer_run(sim: PowerLoss, job: Path) -> int:
+    """A Checkpointer with its embedded coordinator: staged saves in the background; the
+    odd steps over a small staging budget, so part of the shard is written before save()
+    returns (the over-budget path)."""
+    for step in STEPS:
+        sim.phase(step)
+        budget = 8192 if step % 2 else None
+        with ckpt.Checkpointer(job, keep_last=KEEP, staging_budget_bytes=budget) as cp:
+            cp.save(make_state(step, 0, step), step, metadata={"seed": step}).wait()
+            sim.ack(step)
+    sim.phase(None)
+    return 1
+
+
+RUNS = {"client": client_run, "coordinator": coordinator_run, "checkpointer": checkpointer_run}
 
 
 def image_problems(
@@ -109,6 +123,8 @@ def image_problems(
 
 
 def record(run_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[PowerLoss, int]:
+    monkeypatch.delenv("CKPTD_ADDRESS", raising=False)
+    monkeypatch.setenv("CKPTD_CATALOG_DIR", str(tmp_path / "catalogs"))  # SQLite: not modelled
     disk = tmp_path / "disk"
     sim = PowerLoss(disk)
     with sim.recording(monkeypatch):
