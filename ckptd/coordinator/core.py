@@ -744,16 +744,22 @@ class Coordinator:
         log.warning(
             "aborting job %s step %d generation %d: %s", s.job, s.step, s.generation, reason
         )
-        s.fail(reason, kind)
+        s.status, s.reason = ABORTED, reason  # no other transition from here on
         self._finish(s)
-        await self.catalog.write(
-            "UPDATE saves SET status=?, reason=?, draft=NULL WHERE job=? AND step=? AND generation=?",
-            (ABORTED, reason[:4000], s.job, s.step, s.generation),
-        )
-        await self.catalog.write(
-            "DELETE FROM reports WHERE job=? AND step=? AND generation=?",
-            (s.job, s.step, s.generation),
-        )
+        try:
+            await self.catalog.write(
+                "UPDATE saves SET status=?, reason=?, draft=NULL WHERE job=? AND step=? AND generation=?",
+                (ABORTED, reason[:4000], s.job, s.step, s.generation),
+            )
+            await self.catalog.write(
+                "DELETE FROM reports WHERE job=? AND step=? AND generation=?",
+                (s.job, s.step, s.generation),
+            )
+        finally:
+            # The ranks are told only now: were they told first, a coordinator dying here
+            # would leave them with ABORTED while its restart (the reports are all durable)
+            # commits the very same save.
+            s.fail(reason, kind)
         self._spawn(
             asyncio.to_thread(
                 self._remove_generation_files, s.job, s.step, s.generation, s.world_size
