@@ -21,6 +21,7 @@ import contextlib
 import os
 import random
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -69,7 +70,7 @@ class Soak:
         rng = self.rng
         who = rng.choice(["rank0", "rank1", "coordinator"])
         timed = rng.random() < 0.4
-        delay = rng.uniform(0.0, 0.6)  # a save here takes about that long
+        delay = rng.uniform(0.0, 0.3)  # a save here takes about that long
         only = None
         if who == "coordinator":
             points = list(COORDINATOR_POINTS)
@@ -123,7 +124,13 @@ class Soak:
             else:
                 assert code == 0, (code, self.fx.logs())
         told_ok = [r.outcomes() == ["ok"] for r in ranks]
-        if self.serve.proc is None or self.serve.proc.poll() is not None:
+        proc = self.serve.proc
+        assert proc is not None
+        if point == "coordinator.during_retention":  # after the replies: wait for it
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+        if proc.poll() is not None:
+            killed |= proc.returncode == -signal.SIGKILL
             self.serve.start()
             self.serve_env = None
         wait_for(lambda: _settled(self.serve.catalog, step), 30, f"step {step} to settle")
@@ -160,7 +167,7 @@ def soak(n: int, fx: Job, tally, monkeypatch: pytest.MonkeyPatch) -> None:
         for step in range(2, n + 2):
             files = step_files(fx.job, step)
             assert not files or "MANIFEST.json" in files, f"debris after gc: step {step}: {files}"
-    except BaseException as e:
+    except Exception as e:
         raise AssertionError(f"kill soak seed {seed}: {e}\n" + "\n".join(s.log)) from e
     finally:
         print("\n".join(s.log))
