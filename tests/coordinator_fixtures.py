@@ -30,7 +30,6 @@ from ckpt._flatten import flatten
 from ckptd.coordinator.catalog import Catalog
 from ckptd.coordinator.core import BeginResult, Coordinator, SaveRef, ShardReport, StatusResult
 from ckptd.coordinator.planning import ChunkPlan
-from ckptd.format import hashing
 from ckptd.format.writer import WriteItem, hash_items, write_shard
 from ckptd.storage import open_storage
 
@@ -234,18 +233,7 @@ class RankSim:
                 WriteItem(leaf.key, leaf.dtype, list(shape), list(offs), list(sizes), leaf.data)
             )
         self.digests = hash_items(self.items)
-        self.plan = [
-            ChunkPlan(
-                it.key,
-                it.dtype,
-                tuple(it.shape),
-                tuple(it.chunk_offsets),
-                tuple(it.chunk_sizes),
-                it.data.nbytes,
-                hashing.chunk_digest(d),
-            )
-            for it, d in zip(self.items, self.digests, strict=True)
-        ]
+        self.plan = ChunkPlan.of_items(self.items, self.digests)
         return self.plan
 
     async def begin(self, step: int, **kw: Any) -> BeginResult:

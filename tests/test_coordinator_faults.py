@@ -17,93 +17,19 @@ import signal
 from pathlib import Path
 
 import pytest
-from ckpt_testutil import tensor_raw
 from coordinator_fixtures import (
     TOKEN,
-    Rank,
-    Serve,
     catalog_reports,
     ckptctl,
-    ckptctl_json,
     read_catalog,
-    start_rank,
     step_files,
     wait_for,
 )
-from ranks.plain_rank import make_state
+from crash_harness import Job, assert_loads, wait_all
 
 import ckpt
 
 pytestmark = [pytest.mark.multiprocess]
-
-
-class Job:
-    """One job's processes; whatever is left running is killed at teardown."""
-
-    def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.root = tmp / "root"
-        self.job = self.root / "team" / "run"
-        self.ranks: list[Rank] = []
-        self.serves: list[Serve] = []
-
-    def serve(self, **kw) -> Serve:
-        s = Serve(self.root, self.tmp / f"serve{len(self.serves)}", **kw)
-        self.serves.append(s)
-        return s
-
-    def launch(
-        self,
-        serve: Serve,
-        attempt: str,
-        actions,
-        *,
-        world: int = 2,
-        lease_s: float = 60,
-        tag: str = "",
-        only: dict[int, list] | None = None,
-    ) -> list[Rank]:
-        """Start `world` ranks doing `actions` (rank r does only[r] instead, if given)."""
-        ranks = [
-            start_rank(
-                self.tmp,
-                {
-                    "job": str(self.job),
-                    "lease_s": lease_s,
-                    "timeout_s": 60,
-                    "actions": (only or {}).get(r, actions),
-                },
-                rank=r,
-                world=world,
-                address=serve.address,
-                attempt=attempt,
-                tag=tag,
-            )
-            for r in range(world)
-        ]
-        self.ranks.extend(ranks)
-        return ranks
-
-    def cleanup(self) -> None:
-        for r in self.ranks:
-            r.kill()
-        for s in self.serves:
-            s.kill()
-
-    def logs(self) -> str:
-        return "\n".join(
-            [
-                *(f"--- rank {r.rank} ({r.log_path.name})\n{r.log()}" for r in self.ranks),
-                *(s.log() for s in self.serves),
-            ]
-        )
-
-    def coordinator_steps(self, serve: Serve) -> dict[int, dict]:
-        doc = ckptctl_json("list", str(self.job), "--coordinator", serve.address, "--token", TOKEN)
-        return {s["step"]: s for s in doc["steps"]}
-
-    def storage_steps(self) -> dict[int, str]:
-        return {s["step"]: s["status"] for s in ckptctl_json("list", str(self.job))["steps"]}
 
 
 @pytest.fixture
@@ -115,77 +41,56 @@ def fx(tmp_path: Path):
         j.cleanup()
 
 
-def wait_all(ranks: list[Rank], fx: Job, timeout: float = 90) -> list[int]:
-    try:
-        return [r.wait(timeout) for r in ranks]
-    except AssertionError as e:
-        raise AssertionError(f"{e}\n{fx.logs()}") from None
-
-
-def assert_loads(
-    job: Path, step: int, seed: int, world: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Load `step` as every rank would (in this process) and compare bit-exactly."""
-    for r in range(world):
-        monkeypatch.setenv("RANK", str(r))
-        monkeypatch.setenv("WORLD_SIZE", str(world))
-        want = make_state(seed, r, step)
-        got = make_state(seed + 999, r, -1)
-        res = ckpt.load(got, str(job), step=step)
-        assert res.step == step and res.metadata == {"seed": seed}
-        for k in ("w", "b", "ids"):
-            assert got[k].dtype == want[k].dtype and tensor_raw(got[k]) == tensor_raw(want[k]), k
-        assert tensor_raw(got["mine"].value) == tensor_raw(want["mine"].value)
-        assert got["who"].value == want["who"].value and got["step"] == step
-    monkeypatch.delenv("RANK")
-    monkeypatch.delenv("WORLD_SIZE")
-
-
 # ----------------------------------------------------------------------------- a rank dies
 
 
 @pytest.mark.timeout(120)
 def test_rank_killed_mid_write_aborts_within_lease(
-    fx: Job, monkeypatch: pytest.MonkeyPatch
+    fx: Job, monkeypatch: pytest.MonkeyPatch, tally
 ) -> None:
-    lease = 2.0
-    serve = fx.serve(lease_s=lease).start()
-    ranks = fx.launch(
-        serve,
-        "a1",
-        [
-            {"save": 1, "seed": 1},
-            {"save": 2, "seed": 2, "crash_at": "rank.mid_write@1"},  # SIGKILL inside rank 1's write
-            {"load": 1, "seed": 1},
-            {"load": None, "seed": 1},
-        ],
-        lease_s=lease,
-    )
-    codes = wait_all(ranks, fx)
-    assert codes[1] == -signal.SIGKILL, fx.logs()
-    assert codes[0] == 0, fx.logs()
-    r0 = ranks[0].result()["results"]
-    assert [x["outcome"] for x in r0] == ["ok", "SaveAborted", "ok", "ok"], (r0, fx.logs())
-    assert [x["outcome"] for x in ranks[1].result()["results"]] == ["ok"]  # died in save 2
-    msg = r0[1]["message"]
-    assert "rank(s) 1" in msg and "lease" in msg, msg
-    # Aborted by the lease, not by the 60 s timeouts: within lease + a watchdog tick + slack.
-    assert r0[1]["t1"] - r0[1]["t0"] < lease + 8, r0[1]
-    assert r0[3]["step"] == 1  # the newest committed step is still step 1
-    steps = fx.coordinator_steps(serve)
-    assert steps[1]["status"] == "COMMITTED"
-    assert steps[2]["status"] == "ABORTED" and "rank(s) 1" in steps[2]["reason"]
-    assert not (fx.job / "step-000000000002" / "MANIFEST.json").exists()
-    # The coordinator removed the aborted generation's shard files (rank 1's half-written one too).
-    wait_for(lambda: step_files(fx.job, 2) == [], 10, "the aborted save's files to be removed")
-    rc, out, err = ckptctl("gc", str(fx.job), "--include-newer")
-    assert rc == 0, out + err
-    assert not (fx.job / "step-000000000002").exists()
-    assert fx.storage_steps() == {1: "COMMITTED"}
-    rc, out, err = ckptctl("verify", str(fx.job), "--all")
-    assert rc == 0, out + err
-    assert serve.stop() == 0
-    assert_loads(fx.job, 1, 1, 2, monkeypatch)
+    with tally.fault("crash:rank.mid_write"):
+        lease = 2.0
+        serve = fx.serve(lease_s=lease).start()
+        ranks = fx.launch(
+            serve,
+            "a1",
+            [
+                {"save": 1, "seed": 1},
+                {
+                    "save": 2,
+                    "seed": 2,
+                    "crash_at": "rank.mid_write@1",
+                },  # SIGKILL inside rank 1's write
+                {"load": 1, "seed": 1},
+                {"load": None, "seed": 1},
+            ],
+            lease_s=lease,
+        )
+        codes = wait_all(ranks, fx)
+        assert codes[1] == -signal.SIGKILL, fx.logs()
+        assert codes[0] == 0, fx.logs()
+        r0 = ranks[0].result()["results"]
+        assert [x["outcome"] for x in r0] == ["ok", "SaveAborted", "ok", "ok"], (r0, fx.logs())
+        assert [x["outcome"] for x in ranks[1].result()["results"]] == ["ok"]  # died in save 2
+        msg = r0[1]["message"]
+        assert "rank(s) 1" in msg and "lease" in msg, msg
+        # Aborted by the lease, not by the 60 s timeouts: within lease + a watchdog tick + slack.
+        assert r0[1]["t1"] - r0[1]["t0"] < lease + 8, r0[1]
+        assert r0[3]["step"] == 1  # the newest committed step is still step 1
+        steps = fx.coordinator_steps(serve)
+        assert steps[1]["status"] == "COMMITTED"
+        assert steps[2]["status"] == "ABORTED" and "rank(s) 1" in steps[2]["reason"]
+        assert not (fx.job / "step-000000000002" / "MANIFEST.json").exists()
+        # The coordinator removed the aborted generation's shard files (rank 1's half-written one too).
+        wait_for(lambda: step_files(fx.job, 2) == [], 10, "the aborted save's files to be removed")
+        rc, out, err = ckptctl("gc", str(fx.job), "--include-newer")
+        assert rc == 0, out + err
+        assert not (fx.job / "step-000000000002").exists()
+        assert fx.storage_steps() == {1: "COMMITTED"}
+        rc, out, err = ckptctl("verify", str(fx.job), "--all")
+        assert rc == 0, out + err
+        assert serve.stop() == 0
+        assert_loads(fx.job, 1, 1, 2, monkeypatch)
 
 
 # ----------------------------------------------------------------------------- the coordinator dies
@@ -196,114 +101,121 @@ def _saves(steps_seeds):
 
 
 @pytest.mark.timeout(180)
-def test_coordinator_killed_mid_commit_recovers(fx: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_coordinator_killed_mid_commit_recovers(
+    fx: Job, monkeypatch: pytest.MonkeyPatch, tally
+) -> None:
     """Life 1 dies right after the manifest rename (catalog still COMMITTING); life 2 dies
     in the middle of writing the manifest (all reports durable); each restart ends the
     save COMMITTED, and the ranks, retrying, are told so."""
-    serve = fx.serve(lease_s=30)
-    cat = serve.catalog
-    serve.start(env={"CKPT_CRASH_AT": "coordinator.after_manifest_rename"})
-    ranks = fx.launch(
-        serve,
-        "a1",
-        [*_saves([(1, 1), (2, 2), (3, 3)]), {"load": None, "seed": 3}, {"load": 1, "seed": 1}],
-    )
+    with (
+        tally.fault("crash:coordinator.after_manifest_rename"),
+        tally.fault("crash:coordinator.mid_manifest"),
+    ):
+        serve = fx.serve(lease_s=30)
+        cat = serve.catalog
+        serve.start(env={"CKPT_CRASH_AT": "coordinator.after_manifest_rename"})
+        ranks = fx.launch(
+            serve,
+            "a1",
+            [*_saves([(1, 1), (2, 2), (3, 3)]), {"load": None, "seed": 3}, {"load": 1, "seed": 1}],
+        )
 
-    assert serve.wait_dead(60) == -signal.SIGKILL, serve.log()
-    assert (fx.job / "step-000000000001" / "MANIFEST.json").exists()
-    assert read_catalog(cat)[1]["status"] == "COMMITTING"
-    serve.start(env={"CKPT_CRASH_AT": "coordinator.mid_manifest"})
+        assert serve.wait_dead(60) == -signal.SIGKILL, serve.log()
+        assert (fx.job / "step-000000000001" / "MANIFEST.json").exists()
+        assert read_catalog(cat)[1]["status"] == "COMMITTING"
+        serve.start(env={"CKPT_CRASH_AT": "coordinator.mid_manifest"})
 
-    assert serve.wait_dead(60) == -signal.SIGKILL, serve.log()
-    assert not (fx.job / "step-000000000002" / "MANIFEST.json").exists()
-    assert read_catalog(cat)[2]["status"] == "COMMITTING" and catalog_reports(cat, 2) == 2
-    assert read_catalog(cat)[1]["status"] == "COMMITTED"  # recovered by life 2
-    serve.start()
+        assert serve.wait_dead(60) == -signal.SIGKILL, serve.log()
+        assert not (fx.job / "step-000000000002" / "MANIFEST.json").exists()
+        assert read_catalog(cat)[2]["status"] == "COMMITTING" and catalog_reports(cat, 2) == 2
+        assert read_catalog(cat)[1]["status"] == "COMMITTED"  # recovered by life 2
+        serve.start()
 
-    codes = wait_all(ranks, fx)
-    assert codes == [0, 0], fx.logs()
-    for r in ranks:
-        assert r.outcomes() == ["ok"] * 5, (r.result(), fx.logs())
-    assert ranks[0].result()["results"][3]["step"] == 3
-    steps = fx.coordinator_steps(serve)
-    assert {s: v["status"] for s, v in steps.items()} == {
-        1: "COMMITTED",
-        2: "COMMITTED",
-        3: "COMMITTED",
-    }
-    assert "restart" in steps[2]["reason"]
-    assert fx.storage_steps() == {1: "COMMITTED", 2: "COMMITTED", 3: "COMMITTED"}
-    rc, out, err = ckptctl("verify", str(fx.job), "--all")
-    assert rc == 0, out + err
-    assert serve.stop() == 0
-    for step in (1, 2, 3):
-        assert_loads(fx.job, step, step, 2, monkeypatch)
+        codes = wait_all(ranks, fx)
+        assert codes == [0, 0], fx.logs()
+        for r in ranks:
+            assert r.outcomes() == ["ok"] * 5, (r.result(), fx.logs())
+        assert ranks[0].result()["results"][3]["step"] == 3
+        steps = fx.coordinator_steps(serve)
+        assert {s: v["status"] for s, v in steps.items()} == {
+            1: "COMMITTED",
+            2: "COMMITTED",
+            3: "COMMITTED",
+        }
+        assert "restart" in steps[2]["reason"]
+        assert fx.storage_steps() == {1: "COMMITTED", 2: "COMMITTED", 3: "COMMITTED"}
+        rc, out, err = ckptctl("verify", str(fx.job), "--all")
+        assert rc == 0, out + err
+        assert serve.stop() == 0
+        for step in (1, 2, 3):
+            assert_loads(fx.job, step, step, 2, monkeypatch)
 
 
 @pytest.mark.timeout(180)
 def test_coordinator_killed_mid_save_aborts_and_nothing_committed_is_lost(
-    fx: Job, monkeypatch: pytest.MonkeyPatch
+    fx: Job, monkeypatch: pytest.MonkeyPatch, tally
 ) -> None:
     """Step 1 commits. Step 2: rank 1 stops after writing, rank 0 has reported; the
     coordinator is SIGKILLed; after the restart the save is ABORTED (1 of 2 reported) and
     both ranks are told. Step 3: the coordinator dies right after planning
     (coordinator.after_barrier); after the restart it is ABORTED. Step 4 commits."""
-    serve = fx.serve(lease_s=30)
-    cat = serve.catalog
-    serve.start()
-    actions = [
-        {"save": 1, "seed": 1},
-        {"save": 2, "seed": 2, "pause": "after_write"},  # rank 1 only
-        {"save": 3, "seed": 3},
-        {"save": 4, "seed": 4},
-        {"load": 1, "seed": 1},
-        {"load": None, "seed": 4},
-    ]
-    no_pause = [{k: v for k, v in a.items() if k != "pause"} for a in actions]
-    ranks = fx.launch(serve, "a1", no_pause, only={1: actions})
+    with tally.fault("kill:coordinator"), tally.fault("crash:coordinator.after_barrier"):
+        serve = fx.serve(lease_s=30)
+        cat = serve.catalog
+        serve.start()
+        actions = [
+            {"save": 1, "seed": 1},
+            {"save": 2, "seed": 2, "pause": "after_write"},  # rank 1 only
+            {"save": 3, "seed": 3},
+            {"save": 4, "seed": 4},
+            {"load": 1, "seed": 1},
+            {"load": None, "seed": 4},
+        ]
+        no_pause = [{k: v for k, v in a.items() if k != "pause"} for a in actions]
+        ranks = fx.launch(serve, "a1", no_pause, only={1: actions})
 
-    ranks[1].wait_paused(1)
-    wait_for(lambda: catalog_reports(cat, 2) == 1, 30, "rank 0's report of step 2")
-    assert read_catalog(cat)[1]["status"] == "COMMITTED"
-    serve.kill()
-    serve.start(env={"CKPT_CRASH_AT": "coordinator.after_barrier"})
-    assert read_catalog(cat)[2]["status"] == "ABORTED"
-    ranks[1].resume()
+        ranks[1].wait_paused(1)
+        wait_for(lambda: catalog_reports(cat, 2) == 1, 30, "rank 0's report of step 2")
+        assert read_catalog(cat)[1]["status"] == "COMMITTED"
+        serve.kill()
+        serve.start(env={"CKPT_CRASH_AT": "coordinator.after_barrier"})
+        assert read_catalog(cat)[2]["status"] == "ABORTED"
+        ranks[1].resume()
 
-    assert serve.wait_dead(60) == -signal.SIGKILL, serve.log()  # planned step 3, then died
-    assert read_catalog(cat)[3]["status"] == "OPEN"
-    serve.start()
-    assert read_catalog(cat)[3]["status"] == "ABORTED"
+        assert serve.wait_dead(60) == -signal.SIGKILL, serve.log()  # planned step 3, then died
+        assert read_catalog(cat)[3]["status"] == "OPEN"
+        serve.start()
+        assert read_catalog(cat)[3]["status"] == "ABORTED"
 
-    codes = wait_all(ranks, fx)
-    assert codes == [0, 0], fx.logs()
-    for r in ranks:
-        assert r.outcomes() == ["ok", "SaveAborted", "SaveAborted", "ok", "ok", "ok"], (
-            r.result(),
-            fx.logs(),
-        )
-        res = r.result()["results"]
-        assert "restart" in res[1]["message"] and "1 of 2" in res[1]["message"], res[1]
-        assert "restart" in res[2]["message"] and "0 of 2" in res[2]["message"], res[2]
-        assert res[5]["step"] == 4
-    steps = fx.coordinator_steps(serve)
-    assert {s: v["status"] for s, v in steps.items()} == {
-        1: "COMMITTED",
-        2: "ABORTED",
-        3: "ABORTED",
-        4: "COMMITTED",
-    }
-    for step in (2, 3):
-        assert not (fx.job / f"step-{step:012d}" / "MANIFEST.json").exists()
-        assert step_files(fx.job, step) == []
-    rc, out, err = ckptctl("gc", str(fx.job))
-    assert rc == 0, out + err
-    assert fx.storage_steps() == {1: "COMMITTED", 4: "COMMITTED"}
-    rc, out, err = ckptctl("verify", str(fx.job), "--all")
-    assert rc == 0, out + err
-    assert serve.stop() == 0
-    assert_loads(fx.job, 1, 1, 2, monkeypatch)
-    assert_loads(fx.job, 4, 4, 2, monkeypatch)
+        codes = wait_all(ranks, fx)
+        assert codes == [0, 0], fx.logs()
+        for r in ranks:
+            assert r.outcomes() == ["ok", "SaveAborted", "SaveAborted", "ok", "ok", "ok"], (
+                r.result(),
+                fx.logs(),
+            )
+            res = r.result()["results"]
+            assert "restart" in res[1]["message"] and "1 of 2" in res[1]["message"], res[1]
+            assert "restart" in res[2]["message"] and "0 of 2" in res[2]["message"], res[2]
+            assert res[5]["step"] == 4
+        steps = fx.coordinator_steps(serve)
+        assert {s: v["status"] for s, v in steps.items()} == {
+            1: "COMMITTED",
+            2: "ABORTED",
+            3: "ABORTED",
+            4: "COMMITTED",
+        }
+        for step in (2, 3):
+            assert not (fx.job / f"step-{step:012d}" / "MANIFEST.json").exists()
+            assert step_files(fx.job, step) == []
+        rc, out, err = ckptctl("gc", str(fx.job))
+        assert rc == 0, out + err
+        assert fx.storage_steps() == {1: "COMMITTED", 4: "COMMITTED"}
+        rc, out, err = ckptctl("verify", str(fx.job), "--all")
+        assert rc == 0, out + err
+        assert serve.stop() == 0
+        assert_loads(fx.job, 1, 1, 2, monkeypatch)
+        assert_loads(fx.job, 4, 4, 2, monkeypatch)
 
 
 # ----------------------------------------------------------------------------- a stale rank wakes up

@@ -289,6 +289,9 @@ def _valid(method: str, job: str) -> Message:
         "ListCheckpoints": lambda: pb.ListCheckpointsRequest(job=job),
         "GetCheckpoint": lambda: pb.GetCheckpointRequest(job=job, step=1),
         "Quarantine": lambda: pb.QuarantineRequest(job=job, step=1, reason="x"),
+        "RecordTier": lambda: pb.RecordTierRequest(
+            job=job, step=1, tier="mirror", url="s3://bucket/job", status="HELD"
+        ),
     }[method]()
 
 

@@ -27,6 +27,7 @@ from ckptd.errors import CkptError
 from ckptd.server import ServerOptions, create_server
 from ckptd.server.auth import load_token
 from ckptd.server.metrics import Metrics, MetricsServer
+from ckptd.storage.local import makedirs_durable
 
 log = logging.getLogger("ckptd")
 
@@ -110,7 +111,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         print(f"error: --metrics-port {args.metrics_port} is not a port (0-65535)", file=sys.stderr)
         return 2
-    os.makedirs(args.root, exist_ok=True)
+    makedirs_durable(args.root)
     catalog = Catalog(_catalog_path(args), allow_network_fs=args.allow_network_catalog)
     core = Coordinator(
         args.root, catalog, lease_s=args.lease, barrier_timeout_s=args.barrier_timeout

@@ -825,16 +825,22 @@ class Coordinator:
         log.warning(
             "aborting job %s step %d generation %d: %s", s.job, s.step, s.generation, reason
         )
-        s.fail(reason, kind)
+        s.status, s.reason = ABORTED, reason  # no other transition from here on
         self._finish(s)
-        await self.catalog.write(
-            "UPDATE saves SET status=?, reason=?, draft=NULL WHERE job=? AND step=? AND generation=?",
-            (ABORTED, reason[:4000], s.job, s.step, s.generation),
-        )
-        await self.catalog.write(
-            "DELETE FROM reports WHERE job=? AND step=? AND generation=?",
-            (s.job, s.step, s.generation),
-        )
+        try:
+            await self.catalog.write(
+                "UPDATE saves SET status=?, reason=?, draft=NULL WHERE job=? AND step=? AND generation=?",
+                (ABORTED, reason[:4000], s.job, s.step, s.generation),
+            )
+            await self.catalog.write(
+                "DELETE FROM reports WHERE job=? AND step=? AND generation=?",
+                (s.job, s.step, s.generation),
+            )
+        finally:
+            # The ranks are told only now: were they told first, a coordinator dying here
+            # would leave them with ABORTED while its restart (the reports are all durable)
+            # commits the very same save.
+            s.fail(reason, kind)
         self._spawn(
             asyncio.to_thread(
                 self._remove_generation_files, s.job, s.step, s.generation, s.world_size
@@ -922,7 +928,6 @@ class Coordinator:
         for step in doomed:
             if step >= newest:
                 continue
-            crash_point("coordinator.during_retention")
             try:
                 await asyncio.to_thread(
                     recycle.retire_step,
@@ -933,6 +938,8 @@ class Coordinator:
             except OSError as e:
                 log.warning("retention: could not remove job %s step %d: %s", job, step, e)
                 continue
+            # The widest window: the step is gone from storage, still listed in the catalog.
+            crash_point("coordinator.during_retention")
             await self.catalog.write("DELETE FROM saves WHERE job=? AND step=?", (job, step))
 
     # -- recovery ----------------------------------------------------------------------
@@ -977,6 +984,40 @@ class Coordinator:
                     self._remove_generation_files, rec.job, rec.step, rec.generation, rec.world_size
                 )
             log.warning("recovered job %s step %d: %s %s", rec.job, rec.step, status, reason)
+        await self._finish_retention()
+
+    async def _finish_retention(self) -> None:
+        """Finish what a retention run of a previous life left half done.
+
+        Retention removes a step from storage, then its catalog row; a crash in between
+        leaves a row that calls COMMITTED a step whose manifest is gone. Such rows (older
+        than the job's newest committed step) are retired again (idempotent) and deleted.
+        Only when the newest step's manifest is there: storage that is not mounted must not
+        look like every step was removed.
+        """
+        by_job: dict[str, list[int]] = {}
+        newest: dict[str, int] = {}
+        for rec in self.catalog.saves():
+            if rec.status == COMMITTED:
+                newest[rec.job] = max(newest.get(rec.job, -1), rec.step)
+            if rec.status in (COMMITTED, QUARANTINED):
+                by_job.setdefault(rec.job, []).append(rec.step)
+        for job, steps in by_job.items():
+            if job not in newest:
+                continue
+            try:
+                st = self.storage(job)
+                gone = await asyncio.to_thread(_manifests_gone, st, newest[job], steps)
+                for step in gone:
+                    await asyncio.to_thread(
+                        recycle.retire_step, st, step, keep_files=knobs.get().recycle_files
+                    )
+                    await self.catalog.write(
+                        "DELETE FROM saves WHERE job=? AND step=?", (job, step)
+                    )
+                    log.warning("job %s step %d: finished its removal by retention", job, step)
+            except (CkptError, OSError) as e:
+                log.warning("job %s: could not finish an interrupted retention: %s", job, e)
 
     def _recover_one(self, rec: SaveRecord) -> tuple[str, str, str, int]:
         st = self.storage(rec.job)
@@ -1073,6 +1114,17 @@ def _check_step(job: str, step: int) -> None:
         layout.check_step(step)
     except ValueError as e:
         raise InvalidRequest(f"job {job!r}: {e}") from None
+
+
+def _manifests_gone(st: Storage, newest: int, steps: list[int]) -> list[int]:
+    """Steps older than `newest` without a manifest, provided the newest one has its own."""
+    if not st.exists(f"{layout.step_dir(newest)}/{layout.MANIFEST_NAME}"):
+        return []
+    return [
+        s
+        for s in steps
+        if s < newest and not st.exists(f"{layout.step_dir(s)}/{layout.MANIFEST_NAME}")
+    ]
 
 
 def _find_jobs(root: str, max_depth: int = 6) -> list[str]:

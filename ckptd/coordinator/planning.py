@@ -42,6 +42,22 @@ class ChunkPlan:
     def box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return self.chunk_offsets, self.chunk_sizes
 
+    @classmethod
+    def of_items(cls, items: Sequence[Any], digests: Sequence[Any]) -> list[ChunkPlan]:
+        """The plan of a rank's writer items (ckptd.format.writer.WriteItem), hashed."""
+        return [
+            cls(
+                it.key,
+                it.dtype,
+                tuple(it.shape),
+                tuple(it.chunk_offsets),
+                tuple(it.chunk_sizes),
+                it.data.nbytes,
+                hashing.chunk_digest(d),
+            )
+            for it, d in zip(items, digests, strict=True)
+        ]
+
 
 @dataclasses.dataclass
 class Assignment:

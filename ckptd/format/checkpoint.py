@@ -302,7 +302,14 @@ def commit(storage: Storage, m: Manifest) -> bytes:
     for shard in m.shards:
         check_shard_size(storage, m, shard)
         ipath = f"{layout.step_dir(m.step)}/{shard.index}"
-        if storage.size(ipath) != shard.index_size:
+        try:
+            isize = storage.size(ipath)
+        except ShardMissing as e:
+            raise ShardMissing(
+                f"{_where(storage, m.step, shard.index)} (index of rank {shard.rank} of step "
+                f"{m.step}) is missing: {e}"
+            ) from None
+        if isize != shard.index_size:
             raise ShardSizeMismatch(
                 f"{_where(storage, m.step, shard.index)} changed after it was reported"
             )

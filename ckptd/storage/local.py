@@ -95,6 +95,20 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def makedirs_durable(full: str) -> None:
+    """os.makedirs, then fsync the parent of every directory it created: a new directory's
+    entry survives a power cut only once its parent is fsynced (without this, a job
+    directory created by the first save, and every checkpoint in it, could vanish)."""
+    missing = []
+    d = full
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        missing.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(full, exist_ok=True)
+    for d in reversed(missing):
+        fsync_dir(os.path.dirname(d))
+
+
 class LocalWriteHandle(WriteHandle):
     def __init__(
         self,
@@ -168,17 +182,23 @@ class LocalWriteHandle(WriteHandle):
             buf = pieces[0][1]
         else:
             buf = self._assemble(offset, n, pieces)
-        try:
-            done = os.pwrite(self._fd, memoryview(buf), offset)  # type: ignore[arg-type]
-        except OSError as e:
-            # Some filesystems accept O_DIRECT at open and refuse it at write.
-            if e.errno != errno.EINVAL:
-                raise
-            self._reopen_buffered()
-            self._write_buffered(offset, length, pieces)
-            return
-        if done != n:
-            raise OSError(errno.EIO, f"short write: {done} of {n} bytes")
+        done = 0
+        while done < n:
+            try:
+                w = os.pwrite(self._fd, memoryview(buf)[done:n], offset + done)  # type: ignore[arg-type]
+            except OSError as e:
+                # Some filesystems accept O_DIRECT at open and refuse it at write.
+                if e.errno != errno.EINVAL or done:
+                    raise
+                self._reopen_buffered()
+                self._write_buffered(offset, length, pieces)
+                return
+            # A short write (the disk filled up, a signal) goes on from where it stopped,
+            # so the next call reports the real cause (ENOSPC); only a block-aligned rest
+            # can go on with O_DIRECT.
+            if w <= 0 or (done + w < n and (done + w) % ALIGN):
+                raise OSError(errno.EIO, f"short write: {done + max(w, 0)} of {n} bytes")
+            done += w
 
     def _assemble(self, offset: int, n: int, pieces: Sequence[Piece]) -> np.ndarray:
         buf = _bounce.get(n)
@@ -332,7 +352,7 @@ class LocalStorage(Storage):
         self.direct_io = direct_io
         self.early_writeback = early_writeback
         if create:
-            os.makedirs(self.root, exist_ok=True)
+            makedirs_durable(self.root)
 
     # -- paths -------------------------------------------------------------------------
     def full(self, path: str) -> str:
@@ -381,15 +401,8 @@ class LocalStorage(Storage):
     # -- Storage -----------------------------------------------------------------------
     def makedirs(self, path: str) -> None:
         full = self.full(path)
-        missing = []
-        d = full
-        while not os.path.isdir(d) and d != self.root:
-            missing.append(d)
-            d = os.path.dirname(d)
         try:
-            os.makedirs(full, exist_ok=True)
-            for d in reversed(missing):
-                fsync_dir(os.path.dirname(d))
+            makedirs_durable(full)
         except OSError as e:
             raise self.io_error("mkdir", path, e) from e
 

@@ -48,7 +48,7 @@ from ckptd.errors import (
 )
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import hashing, layout
+from ckptd.format import layout
 from ckptd.format.writer import ShardWriter, ShardWriteStats, WriteItem, hash_items, plan_offsets
 from ckptd.storage import Storage, open_storage
 
@@ -389,18 +389,7 @@ class Checkpointer:
             if job.writer is not None:
                 job.writer.abort()
             raise
-        plan = [
-            ChunkPlan(
-                it.key,
-                it.dtype,
-                tuple(it.shape),
-                tuple(it.chunk_offsets),
-                tuple(it.chunk_sizes),
-                it.data.nbytes,
-                hashing.chunk_digest(d),
-            )
-            for it, d in zip(items, digests, strict=True)
-        ]
+        plan = ChunkPlan.of_items(items, digests)
         try:
             t_begin = time.perf_counter()
             begun = self.client.begin_save(

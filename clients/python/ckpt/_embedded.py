@@ -25,6 +25,7 @@ from typing import Any
 from ckptd.coordinator.catalog import NETWORK_FS, Catalog, filesystem_type
 from ckptd.coordinator.core import Coordinator
 from ckptd.server import ServerOptions, create_server
+from ckptd.storage.local import makedirs_durable
 
 
 def catalog_path(job_path: str) -> str:
@@ -62,7 +63,7 @@ class EmbeddedCoordinator:
             self.root = self.job_path.rsplit("/", 1)[0]
         else:
             self.job_path = os.path.realpath(os.path.abspath(job_path))
-            os.makedirs(self.job_path, exist_ok=True)
+            makedirs_durable(self.job_path)
             self.root = os.path.dirname(self.job_path)
         self.token = secrets.token_urlsafe(24)
         self._loop = asyncio.new_event_loop()

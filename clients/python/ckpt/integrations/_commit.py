@@ -22,7 +22,6 @@ from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.errors import CkptError, SaveAborted
-from ckptd.format import hashing
 from ckptd.format.manifest import ShardInfo
 from ckptd.format.writer import ShardWriter, WriteItem, plan_offsets
 from ckptd.storage import open_storage
@@ -63,18 +62,7 @@ def write_shard(target: Target, items: list[WriteItem]) -> tuple[ShardInfo, list
     )
     digests = w.write(items, offsets)
     info = w.finish(items, offsets, digests, verify=target.verify)
-    plans = [
-        ChunkPlan(
-            it.key,
-            it.dtype,
-            tuple(it.shape),
-            tuple(it.chunk_offsets),
-            tuple(it.chunk_sizes),
-            it.data.nbytes,
-            hashing.chunk_digest(d),
-        )
-        for it, d in zip(items, digests, strict=True)
-    ]
+    plans = ChunkPlan.of_items(items, digests)
     return info, plans
 
 
