@@ -312,9 +312,9 @@ class Soak:
 
     # -- the audit -------------------------------------------------------------------------
     async def catalog_record(self, step: int) -> pb.CheckpointInfo | None:
-        """The catalog's row for `step`, once it is final. The core answers the ranks of an
-        aborted save before its catalog write lands (a restart would abort it again), so
-        the row may still say OPEN for a moment."""
+        """The catalog's row for `step`, once it is final (a guard: the core used to tell
+        the ranks of an abort before its catalog write landed, so the row said OPEN for a
+        moment)."""
         req = pb.GetCheckpointRequest(job=self.job, step=step)
         deadline = time.monotonic() + 30
         while True:
