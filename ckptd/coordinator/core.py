@@ -813,7 +813,8 @@ class Coordinator:
         log.warning(
             "aborting job %s step %d generation %d: %s", s.job, s.step, s.generation, reason
         )
-        s.status, s.reason = ABORTED, reason  # no other transition from here on
+        # No other transition from here on; a rank arriving meanwhile gets the same error.
+        s.status, s.reason, s.abort_kind = ABORTED, reason, kind
         self._finish(s)
         try:
             await self.catalog.write(
