@@ -99,7 +99,18 @@ CREATE TABLE IF NOT EXISTS tiers (
     PRIMARY KEY (job, step, tier)
 );
 """
-SCHEMA_VERSION = 2
+# Schema 3: steps retention has begun to remove. Retention lists a step here, removes it
+# from storage, then deletes its rows; a restarted coordinator finishes exactly what is
+# listed. A committed step whose manifest vanished otherwise is damage to report, never
+# debris to delete.
+RETIRING_SCHEMA = """
+CREATE TABLE IF NOT EXISTS retiring (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    PRIMARY KEY (job, step)
+);
+"""
+SCHEMA_VERSION = 3
 
 
 def migrate(db: sqlite3.Connection) -> None:
@@ -107,6 +118,9 @@ def migrate(db: sqlite3.Connection) -> None:
     version = int(db.execute("PRAGMA user_version").fetchone()[0])
     if version < 2:
         db.executescript(TIERS_SCHEMA)
+    if version < 3:
+        db.executescript(RETIRING_SCHEMA)
+    if version < SCHEMA_VERSION:
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
 
@@ -291,6 +305,11 @@ class Catalog:
             "SELECT DISTINCT job FROM saves UNION SELECT job FROM jobs"
         ).fetchall()
         return sorted(r[0] for r in rows)
+
+    def retiring(self) -> list[tuple[str, int]]:
+        """(job, step) of each step a retention run began to remove and did not finish."""
+        rows = self.db.execute("SELECT job, step FROM retiring ORDER BY job, step").fetchall()
+        return [(job, step) for job, step in rows]
 
     def tiers(self, job: str) -> list[TierRecord]:
         rows = self.db.execute(

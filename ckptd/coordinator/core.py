@@ -825,7 +825,8 @@ class Coordinator:
         log.warning(
             "aborting job %s step %d generation %d: %s", s.job, s.step, s.generation, reason
         )
-        s.status, s.reason = ABORTED, reason  # no other transition from here on
+        # No other transition from here on; a rank arriving meanwhile gets the same error.
+        s.status, s.reason, s.abort_kind = ABORTED, reason, kind
         self._finish(s)
         try:
             await self.catalog.write(
@@ -928,6 +929,10 @@ class Coordinator:
         for step in doomed:
             if step >= newest:
                 continue
+            # Listed before anything is removed: a restart finishes exactly these steps.
+            await self.catalog.write(
+                "INSERT OR IGNORE INTO retiring (job, step) VALUES (?, ?)", (job, step)
+            )
             try:
                 await asyncio.to_thread(
                     recycle.retire_step,
@@ -940,7 +945,11 @@ class Coordinator:
                 continue
             # The widest window: the step is gone from storage, still listed in the catalog.
             crash_point("coordinator.during_retention")
-            await self.catalog.write("DELETE FROM saves WHERE job=? AND step=?", (job, step))
+            await self._forget_retired(job, step)
+
+    async def _forget_retired(self, job: str, step: int) -> None:
+        await self.catalog.write("DELETE FROM saves WHERE job=? AND step=?", (job, step))
+        await self.catalog.write("DELETE FROM retiring WHERE job=? AND step=?", (job, step))
 
     # -- recovery ----------------------------------------------------------------------
     async def recover(self) -> None:
@@ -989,35 +998,24 @@ class Coordinator:
     async def _finish_retention(self) -> None:
         """Finish what a retention run of a previous life left half done.
 
-        Retention removes a step from storage, then its catalog row; a crash in between
-        leaves a row that calls COMMITTED a step whose manifest is gone. Such rows (older
-        than the job's newest committed step) are retired again (idempotent) and deleted.
-        Only when the newest step's manifest is there: storage that is not mounted must not
-        look like every step was removed.
+        Retention lists a step in the catalog's `retiring` table, removes it from storage,
+        then deletes its rows; a crash in between leaves a row that calls COMMITTED a step
+        whose manifest is gone. Only listed steps are retired again (idempotent): a
+        committed step whose manifest vanished for any other reason is left for verify and
+        load to report.
         """
-        by_job: dict[str, list[int]] = {}
-        newest: dict[str, int] = {}
-        for rec in self.catalog.saves():
-            if rec.status == COMMITTED:
-                newest[rec.job] = max(newest.get(rec.job, -1), rec.step)
-            if rec.status in (COMMITTED, QUARANTINED):
-                by_job.setdefault(rec.job, []).append(rec.step)
-        for job, steps in by_job.items():
-            if job not in newest:
-                continue
+        for job, step in self.catalog.retiring():
             try:
                 st = self.storage(job)
-                gone = await asyncio.to_thread(_manifests_gone, st, newest[job], steps)
-                for step in gone:
-                    await asyncio.to_thread(
-                        recycle.retire_step, st, step, keep_files=knobs.get().recycle_files
-                    )
-                    await self.catalog.write(
-                        "DELETE FROM saves WHERE job=? AND step=?", (job, step)
-                    )
-                    log.warning("job %s step %d: finished its removal by retention", job, step)
+                await asyncio.to_thread(
+                    recycle.retire_step, st, step, keep_files=knobs.get().recycle_files
+                )
+                await self._forget_retired(job, step)
+                log.warning("job %s step %d: finished its removal by retention", job, step)
             except (CkptError, OSError) as e:
-                log.warning("job %s: could not finish an interrupted retention: %s", job, e)
+                log.warning(
+                    "job %s step %d: could not finish an interrupted retention: %s", job, step, e
+                )
 
     def _recover_one(self, rec: SaveRecord) -> tuple[str, str, str, int]:
         st = self.storage(rec.job)
@@ -1114,17 +1112,6 @@ def _check_step(job: str, step: int) -> None:
         layout.check_step(step)
     except ValueError as e:
         raise InvalidRequest(f"job {job!r}: {e}") from None
-
-
-def _manifests_gone(st: Storage, newest: int, steps: list[int]) -> list[int]:
-    """Steps older than `newest` without a manifest, provided the newest one has its own."""
-    if not st.exists(f"{layout.step_dir(newest)}/{layout.MANIFEST_NAME}"):
-        return []
-    return [
-        s
-        for s in steps
-        if s < newest and not st.exists(f"{layout.step_dir(s)}/{layout.MANIFEST_NAME}")
-    ]
 
 
 def _find_jobs(root: str, max_depth: int = 6) -> list[str]:
