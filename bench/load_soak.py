@@ -31,7 +31,8 @@ Audit, after every round and at the end:
                       that was alive (a false lease expiry: the coordinator fell behind)
   RPC errors          any error answer other than the zombie's expected refusal
 A live rank still writing when a kill round's lease expires finds its files removed by the
-abort; that is right only in a kill round and only if KeepAlive then says ABORTED.
+abort; that is right only in a kill round and only if KeepAlive then says ABORTED (the
+Python client asks the same and raises SaveAborted with the coordinator's reason).
 Figures: saves committed / aborted, RPCs by kind, p50/p99 latency per kind (client-side,
 so they include this process's own event-loop delays; BeginSave includes the barrier wait
 for the slowest rank, AwaitCommit the commit or, in kill rounds, the lease expiry), RPC/s

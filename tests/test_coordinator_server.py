@@ -12,19 +12,22 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import torch
-from ckpt_testutil import tensor_raw
+from ckpt_testutil import DelegatingStorage, DelegatingWriteHandle, tensor_raw
 from coordinator_fixtures import (
     TOKEN,
+    RankSim,
     Serve,
     ServerThread,
     ckptctl,
     finished,
     make_certs,
     read_catalog,
+    wait_for,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -39,12 +42,15 @@ from ckptd.errors import (
     DivergentReplicas,
     InvalidRequest,
     SaveAborted,
+    ShardMissing,
     StaleGeneration,
     Unauthenticated,
     UnsafePath,
 )
+from ckptd.format import layout
 from ckptd.server import ServerOptions
 from ckptd.server.app import SERVICE_NAME
+from ckptd.storage.base import Storage, WriteHandle
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -583,3 +589,110 @@ def test_rank_failing_before_begin_aborts_the_others(
         for cp in cps:
             cp.close()
     assert read_catalog(root / ".ckptd" / "catalog.sqlite")[1]["status"] == "ABORTED"
+
+
+class WriteOutlivedByAbort(DelegatingStorage):
+    """Shard writes under `step` finish only once the coordinator removed the file: a rank
+    still writing when the save is aborted under it (the abort removes the save's files)."""
+
+    def __init__(self, inner: Storage, step: int):
+        super().__init__(inner)
+        self.prefix = layout.step_dir(step) + "/"
+        self.removed = threading.Event()
+
+    def open_write(self, path: str, size: int, **kw: Any) -> WriteHandle:
+        handle = super().open_write(path, size, **kw)
+        if not path.startswith(self.prefix):
+            return handle
+        owner = self
+
+        class Slow(DelegatingWriteHandle):
+            def finish(self) -> None:
+                wait_for(lambda: not owner.inner.exists(path), 30, f"the abort to remove {path}")
+                owner.removed.set()
+                super().finish()
+
+        return Slow(handle)
+
+
+def test_a_write_cut_by_the_coordinators_abort_raises_save_aborted_with_its_reason(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 joins step 2 and goes silent; its lease expires while rank 0 is still writing,
+    so the coordinator aborts the save and removes its files under rank 0. Rank 0 is told
+    why (SaveAborted naming rank 1's lease), not the ShardMissing its verify ran into; step
+    1 still loads and step 3 commits."""
+    # Long enough that a live rank's keep-alive (every lease/3) never misses it on a busy CI.
+    server = ServerThread(root, options=ServerOptions(token=TOKEN), lease_s=2.0)
+    job = str(root / "job")
+    cps: list[ckpt.Checkpointer] = []
+
+    def state(r: int, step: int) -> dict[str, Any]:
+        return {
+            "w": torch.arange(64.0) * step,
+            "mine": ckpt.PerRank(torch.full((1024,), float(r * 100 + step))),
+        }
+
+    def save_both(step: int) -> list[Any]:
+        out: list[Any] = [None, None]
+
+        def save(r: int) -> None:
+            try:
+                out[r] = finished(cps[r].save(state(r, step), step))
+            except BaseException as e:  # noqa: BLE001 - recorded for the assertion
+                out[r] = e
+
+        ts = [threading.Thread(target=save, args=(r,)) for r in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        return out
+
+    try:
+        for r in range(2):
+            monkeypatch.setenv("RANK", str(r))
+            monkeypatch.setenv("WORLD_SIZE", "2")
+            cps.append(ckpt.Checkpointer(job, coordinator=server.address, token=TOKEN, attempt="a"))
+        assert [getattr(o, "step", o) for o in save_both(1)] == [1, 1]
+
+        # Rank 1 joins step 2 (the plan is made) and then sends nothing: a dead process.
+        sim = RankSim(server.core, job, 1, 2, cps[1].generation)
+        sim.prepare(state(1, 2))
+        joined = threading.Thread(
+            target=cps[1].client.begin_save,
+            args=(sim.ref(2), sim.plan),
+            kwargs={
+                "state": sim.node,
+                "metadata": None,
+                "allow_divergent": False,
+                "keep_last": 0,
+                "timeout_s": 30,
+            },
+        )
+        joined.start()
+        plain = cps[0].storage
+        slow = cps[0].storage = WriteOutlivedByAbort(plain, 2)
+        pending = cps[0].save(state(0, 2), 2)
+        with pytest.raises(SaveAborted) as err:
+            pending.wait()
+        joined.join(30)
+        assert slow.removed.is_set()
+        msg = str(err.value)
+        assert "step 2 rank 0/2" in msg and "rank(s) 1 silent" in msg and "lease" in msg, msg
+        assert isinstance(err.value.__cause__, ShardMissing), repr(err.value.__cause__)
+        assert not (Path(job) / layout.step_dir(2) / layout.MANIFEST_NAME).exists()
+
+        # The previous checkpoint is intact and the next save proceeds.
+        target = state(0, 0)
+        assert cps[0].load(target).step == 1
+        assert torch.equal(target["w"], state(0, 1)["w"])
+        assert torch.equal(target["mine"].value, state(0, 1)["mine"].value)
+        cps[0].storage = plain
+        assert [getattr(o, "step", o) for o in save_both(3)] == [3, 3]
+    finally:
+        for cp in cps:
+            cp.close()
+        server.stop()
+    steps = read_catalog(root / ".ckptd" / "catalog.sqlite")
+    assert steps[2]["status"] == "ABORTED" and "rank(s) 1 silent" in steps[2]["reason"]

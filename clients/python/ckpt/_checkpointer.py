@@ -5,6 +5,8 @@ BeginSave with the plan (waits for every rank; the coordinator dedups replicas a
 which chunks this rank writes); write + fsync + verify this rank's shard; ReportShard;
 AwaitCommit. While writing, a thread renews the rank's lease. Any failure on a rank
 aborts the save for all ranks; nothing is committed and the error names job, step, rank.
+A rank whose write fails because the coordinator aborted the save under it (and removed
+its files) raises SaveAborted with the coordinator's reason, the storage error chained.
 
 No torch.distributed collective is used: ranks coordinate only through the coordinator,
 so a slow or dead rank never hangs the others' training collectives. (The process
@@ -455,6 +457,9 @@ class Checkpointer:
             pending.timings.commit_s = time.perf_counter() - t_report
         except BaseException as e:
             stop.set()
+            aborted = self._aborted_under(ref, where, e)
+            if aborted is not None:
+                raise aborted from e
             self._abort_quietly(ref, f"{type(e).__name__}: {e}")
             raise
         finally:
@@ -516,6 +521,31 @@ class Checkpointer:
                 continue
             if st.status in ("ABORTED", "COMMITTED"):
                 return
+
+    def _aborted_under(self, ref: SaveRef, where: str, e: BaseException) -> CkptError | None:
+        """The coordinator's error when it had already aborted the save, else None.
+
+        An abort removes the save's files, so a rank still writing or verifying then fails
+        on storage (ShardMissing, ...): a symptom. The save's state names the cause (a
+        peer's lease expired, a newer attempt fenced this one). While the save is open, or
+        when the coordinator cannot be asked, the rank's own error stands.
+        """
+        if not isinstance(e, Exception) or isinstance(e, (SaveFailed, CoordinatorUnavailable)):
+            return None  # already the coordinator's word, or it cannot be asked
+        try:
+            st = self.client.keep_alive(ref)
+        except SaveFailed as fenced:  # StaleGeneration: this attempt is superseded
+            return fenced
+        except CkptError as q:
+            log.debug("%s: could not ask the coordinator why the save failed: %s", where, q)
+            return None
+        if st.status != "ABORTED":
+            return None
+        return SaveAborted(
+            f"{where}: the coordinator aborted the save while this rank was writing its shard "
+            f"({st.reason}); this rank's {type(e).__name__} follows from it (an aborted save's "
+            "files are removed). Earlier checkpoints are intact; the next save proceeds as usual"
+        )
 
     def _abort_quietly(self, ref: SaveRef, reason: str) -> None:
         try:
