@@ -17,7 +17,7 @@ import ckpt
 from ckptd.errors import UnsupportedValue
 
 L = pytest.importorskip("lightning.pytorch")
-from ckpt.integrations.lightning import CkptdCheckpointIO  # noqa: E402
+from ckpt.integrations.lightning import CkptdCheckpointIO, job_for  # noqa: E402
 
 # Lightning's advice about dataloader workers, loggers and such is not under test.
 pytestmark = [
@@ -52,6 +52,14 @@ def loader() -> torch.utils.data.DataLoader:
     )
 
 
+def _tree(root: Path) -> str:
+    """Every path under root with its size, for an assertion message."""
+    return "\n".join(
+        f"{p.relative_to(root)}{'/' if p.is_dir() else f' ({p.stat().st_size} B)'}"
+        for p in sorted(root.rglob("*"))
+    )
+
+
 def trainer(tmp_path: Path, epochs: int, io: CkptdCheckpointIO, **kw) -> L.Trainer:  # noqa: ANN003
     ckpt_cb = L.callbacks.ModelCheckpoint(
         dirpath=tmp_path / "ckpts", save_top_k=1, monitor="loss", save_last=True
@@ -74,12 +82,17 @@ def test_fit_saves_verified_ckptd_checkpoints_and_resumes(tmp_path: Path) -> Non
     io = CkptdCheckpointIO()
     torch.manual_seed(0)
     model = Tiny()
-    trainer(tmp_path, 3, io).fit(model, loader())
+    t = trainer(tmp_path, 3, io)
+    t.fit(model, loader())
     last = tmp_path / "ckpts" / "last.ckpt"
     assert (last / "step-000000000012" / "MANIFEST.json").exists(), sorted(last.rglob("*"))
     # top-1 by loss: the older best checkpoints were removed through remove_checkpoint.
-    best = [p for p in (tmp_path / "ckpts").iterdir() if p.name != "last.ckpt"]
-    assert [p.name for p in best] == ["epoch_2-step_12.ckpt"], best  # '=' is not in ckptd names
+    # '=' is not in ckptd names. Exactly one best checkpoint is left (the others went through
+    # remove_checkpoint); which epoch it is depends only on the losses, so it is the one the
+    # callback holds as best.
+    cb = next(c for c in t.callbacks if isinstance(c, L.callbacks.ModelCheckpoint))
+    best = sorted(p.name for p in (tmp_path / "ckpts").iterdir() if p.name != "last.ckpt")
+    assert best == [Path(job_for(cb.best_model_path)).name], _tree(tmp_path / "ckpts")
     rc, out, err = ckptctl("verify", str(last))
     assert rc == 0 and "OK" in out, out + err
     m = json.loads((last / "step-000000000012" / "MANIFEST.json").read_text())

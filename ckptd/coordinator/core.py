@@ -165,6 +165,7 @@ class Coordinator:
         self.lease_s = lease_s
         self.barrier_timeout_s = barrier_timeout_s
         self._storage_factory = storage_factory or (lambda p: open_storage(p, create=True))
+        self._default_storage = storage_factory is None
         self.observer: obs.SaveObserver = obs.SaveObserver()  # metrics plug in here
         self._storages: dict[str, Storage] = {}
         self.sessions: dict[tuple[str, int], Session] = {}
@@ -240,15 +241,35 @@ class Coordinator:
     def storage(self, job: str) -> Storage:
         s = self._storages.get(job)
         if s is None:
-            path = f"{self.root}/{job}"
-            if "://" not in self.root:
-                real = os.path.realpath(path)
-                if real != self.root and not real.startswith(self.root + "/"):
-                    raise UnsafePath(
-                        f"job {job!r} resolves through a symlink to {real}, outside {self.root}"
-                    )
-            s = self._storages[job] = self._storage_factory(path)
+            s = self._storages[job] = self._storage_factory(self._job_dir(job))
         return s
+
+    def _job_dir(self, job: str) -> str:
+        path = f"{self.root}/{job}"
+        if "://" not in self.root:
+            real = os.path.realpath(path)
+            if real != self.root and not real.startswith(self.root + "/"):
+                raise UnsafePath(
+                    f"job {job!r} resolves through a symlink to {real}, outside {self.root}"
+                )
+        return path
+
+    def _found_storage(self, job: str) -> Storage | None:
+        """The storage of a job a scan of the root listed, to read; None once it is gone.
+
+        Never creates the job directory: `storage()` does (open_storage(create=True)), and a
+        job removed after the scan listed it (a Lightning checkpoint that left the top k,
+        removed while a coordinator for a sibling path started) must stay removed, not come
+        back as an empty directory."""
+        s = self._storages.get(job)
+        if s is not None:
+            return s
+        path = self._job_dir(job)
+        if not os.path.isdir(path):
+            return None
+        if not self._default_storage:  # an injected factory (tests): it decides
+            return self.storage(job)
+        return open_storage(path)
 
     # -- validation --------------------------------------------------------------------
     def _check_ref(self, ref: SaveRef) -> str:
@@ -1069,15 +1090,21 @@ class Coordinator:
         """Recreate catalog rows from the manifests under the root (promise 6)."""
         n = 0
         for job in _find_jobs(self.root) if "://" not in self.root else []:
-            st = self.storage(job)
+            st = self._found_storage(job)
+            if st is None:
+                continue  # removed since the walk listed it
             gen, found = 0, 0
             for info in ckfmt.list_steps(st):
                 if info.manifest is None:
                     continue
                 m = info.manifest
-                data = st.read_bytes(
-                    f"{layout.step_dir(m.step)}/{layout.MANIFEST_NAME}", limit=1 << 30
-                )
+                mpath = f"{layout.step_dir(m.step)}/{layout.MANIFEST_NAME}"
+                try:
+                    data = st.read_bytes(mpath, limit=1 << 30)
+                except (CkptError, OSError):
+                    if st.exists(mpath):
+                        raise
+                    continue  # the step (or its job) was removed while the scan read it
                 quarantined = info.status == ckfmt.QUARANTINED
                 self.catalog.execute(
                     "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, reason, bytes, "
