@@ -106,6 +106,18 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return flat_view(t).view(torch.uint8).numpy()
 
 
+def readable_in_place(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether stored bytes of `dtype` can be read straight into `t`'s memory (no staging
+    buffer): tensor_bytes(t) is then a view of it, not a copy."""
+    return (
+        t.device.type == "cpu"
+        and t.dtype == dtype
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+
+
 def flat_view(t: torch.Tensor) -> torch.Tensor:
     """A 1-D stride-1 view of a contiguous tensor's elements (same memory).
 

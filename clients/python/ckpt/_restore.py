@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt._flatten import PerRank, _component, is_stateful, tensor_bytes
+from ckpt._flatten import PerRank, _component, is_stateful, readable_in_place, tensor_bytes
 from ckptd.errors import CkptError, CorruptCheckpoint, InvalidManifest, StateMismatch
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import dtypes, layout, values
@@ -330,13 +330,7 @@ class Planner:
         sizes: tuple[int, ...],
     ) -> None:
         """Make `target` (a tensor shaped like the box) the destination of `key`."""
-        if (
-            target.device.type == "cpu"
-            and target.dtype == dtype
-            and target.is_contiguous()
-            and not target.is_conj()
-            and not target.is_neg()
-        ):
+        if readable_in_place(target, dtype):
             t = target.detach()
             self.dests[key] = _Dest(key, t, tensor_bytes(t), offsets, sizes)
             return

@@ -66,7 +66,7 @@ from torch.futures import Future
 
 from ckpt import _world
 from ckpt._api import _check_metadata
-from ckpt._flatten import tensor_bytes
+from ckpt._flatten import readable_in_place, tensor_bytes
 from ckpt.integrations import _commit, _coordinator
 from ckpt.integrations import _dcp_manifest as dm
 from ckpt.integrations._plain import from_node, to_node
@@ -395,14 +395,7 @@ class StorageReader(_DCPReader):
             saved = dtypes.from_name(ck.chunks[key][0].entry.dtype)
             chunk_off = item.storage_index.offset or torch.Size([0] * len(item.lengths))
             box_off = [a + b for a, b in zip(chunk_off, item.storage_offsets, strict=True)]
-            direct = (
-                dest.device.type == "cpu"
-                and dest.dtype == saved
-                and dest.is_contiguous()
-                and not dest.is_conj()
-                and not dest.is_neg()
-                and list(dest.shape) == list(item.lengths)
-            )
+            direct = readable_in_place(dest, saved) and list(dest.shape) == list(item.lengths)
             buf = dest if direct else torch.empty(list(item.lengths), dtype=saved)
             boxes.append(BoxRead(key, box_off, list(item.lengths), tensor_bytes(buf)))
             done.append((item, dest, None if direct else buf))
