@@ -7,13 +7,16 @@ GB = 1e9 bytes everywhere.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import mmap
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -308,3 +311,101 @@ def print_tables(
         print(f"  {r['ratio']:<{rw}} {r['value']:6.2f}  [{tgt:>7}] {r['verdict']}")
     for n, errs in errors.items():
         print(f"ERRORS in {n}: {errs[0].strip().splitlines()[-1]}")
+
+
+# -- one benchmark run: methods interleaved in every repetition --------------------------
+Registry = list[tuple[str, str, Any]]  # (group, method name, fn(bench) -> seconds)
+
+
+def select(registry: Registry, only: str) -> None:
+    """Keep the methods whose name contains one of the |-separated substrings of `only`."""
+    keep = [s.strip() for s in only.split("|") if s.strip()]
+    if keep:
+        registry[:] = [m for m in registry if any(s in m[1] for s in keep)]
+
+
+def loadavg_at_start() -> tuple[float, float, float]:
+    """The load average now, with a warning when other work competes for the CPUs."""
+    load = os.getloadavg()
+    if load[0] > 0.5 * (os.cpu_count() or 1):
+        print(
+            f"warning: load average {load[0]:.1f} at start: other processes compete for "
+            "the CPUs and the disk; expect noisy numbers",
+            flush=True,
+        )
+    return load
+
+
+def run_reps(
+    registry: Registry,
+    bench: Any,
+    reps: int,
+    *,
+    rotate: bool = False,
+    after_rep: Any = None,
+) -> tuple[dict[str, list[float]], dict[str, list[str]]]:
+    """Every method once per repetition, in registry order (with `rotate`, each repetition
+    starts one method later, so no method always follows the same one); a failing method
+    is recorded (its first traceback printed) and the run goes on."""
+    times: dict[str, list[float]] = {n: [] for _, n, _ in registry}
+    errors: dict[str, list[str]] = {}
+    width = max((len(n) for _, n, _ in registry), default=0)
+    for rep in range(reps):
+        k = rep % len(registry) if rotate and registry else 0
+        for _g, name, fn in registry[k:] + registry[:k]:
+            try:
+                s = fn(bench)
+                times[name].append(s)
+                print(
+                    f"rep {rep + 1}/{reps}  {name:<{width}} {s:7.3f} s "
+                    f"{bench.nbytes / s / GB:6.2f} GB/s",
+                    flush=True,
+                )
+            except Exception as e:
+                tb = traceback.format_exc()
+                first = name not in errors
+                errors.setdefault(name, []).append(tb)
+                detail = f"\n{tb}" if first else f" {type(e).__name__}: {e}"
+                print(f"rep {rep + 1}/{reps}  {name}: ERROR{detail}", flush=True)
+            gc.collect()
+        if after_rep is not None:
+            after_rep()
+    return times, errors
+
+
+def report_run(
+    name: str,
+    bench: Any,
+    registry: Registry,
+    times: dict[str, list[float]],
+    errors: dict[str, list[str]],
+    args: Any,
+    ratios: Any,
+    note: str = "",
+) -> None:
+    """Print the tables of a run and write its JSON result (bench/results/NAME-*.json)."""
+    import ckptd.knobs
+
+    stats = {n: summarize(ts, bench.nbytes) for n, ts in times.items() if ts}
+    print(
+        f"\nstate: {bench.desc['tensors']} tensors, {bench.nbytes / GB:.3f} GB; GB = 1e9 bytes; "
+        f"{args.reps} reps, methods interleaved{note}"
+    )
+    rs = ratios({n: s["median_gbps"] for n, s in stats.items()})
+    print_tables(registry, times, stats, rs, errors, args.reps)
+    result = {
+        "bench": name,
+        "units": "GB = 1e9 bytes; seconds wall clock",
+        "args": vars(args),
+        "machine": machine_info(bench.work),
+        "state": bench.desc | {"raw_file_bytes": bench.size},
+        "ckpt_knob_defaults": vars(ckptd.knobs.get()),
+        "notes": bench.notes,
+        "order": [n for _, n, _ in registry],
+        "per_rep_seconds": times,
+        "stats": stats,
+        "ratios": rs,
+        "errors": errors,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    print(f"\nresults: {write_results(name, result)}")

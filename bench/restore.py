@@ -25,13 +25,10 @@ Results go to bench/results/restore-<timestamp>.json.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import resource
 import sys
 import threading
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -381,34 +378,6 @@ def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
     return C.ratio_verdicts(rows_)
 
 
-def report(b: Bench, times: dict[str, list[float]], errors: dict[str, list[str]], args) -> None:
-    import ckptd.knobs
-
-    stats = {n: C.summarize(ts, b.nbytes) for n, ts in times.items() if ts}
-    print(
-        f"\nstate: {b.desc['tensors']} tensors, {b.nbytes / C.GB:.3f} GB; GB = 1e9 bytes; "
-        f"{args.reps} reps, methods interleaved, caches dropped ({b.notes.get('cache_drop')})"
-    )
-    rs = ratios({n: s["median_gbps"] for n, s in stats.items()})
-    C.print_tables(REGISTRY, times, stats, rs, errors, args.reps)
-    result = {
-        "bench": "restore",
-        "units": "GB = 1e9 bytes; seconds wall clock",
-        "args": vars(args),
-        "machine": C.machine_info(b.work),
-        "state": b.desc | {"raw_file_bytes": b.size},
-        "ckpt_knob_defaults": vars(ckptd.knobs.get()),
-        "notes": b.notes,
-        "order": [n for _, n, _ in REGISTRY],
-        "per_rep_seconds": times,
-        "stats": stats,
-        "ratios": rs,
-        "errors": errors,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    }
-    print(f"\nresults: {C.write_results('restore', result)}")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -422,15 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", module="torch.distributed")
-    if args.only:
-        keep = [s.strip() for s in args.only.split("|") if s.strip()]
-        REGISTRY[:] = [m for m in REGISTRY if any(s in m[1] for s in keep)]
+    C.select(REGISTRY, args.only)
     args.dir.mkdir(parents=True, exist_ok=True)
     work = args.dir / f"restore-{os.getpid()}"
     work.mkdir()
-    load0 = os.getloadavg()
-    if load0[0] > 0.5 * (os.cpu_count() or 1):
-        print(f"warning: load average {load0[0]:.1f} at start; expect noisy numbers", flush=True)
+    load0 = C.loadavg_at_start()
     t0 = time.perf_counter()
     state, desc = C.make_state(args.size_gib, args.seed)
     b = Bench(work, state, desc)
@@ -442,30 +407,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.perf_counter() - t0:.1f} s; work dir {work}",
             flush=True,
         )
-        times: dict[str, list[float]] = {n: [] for _, n, _ in REGISTRY}
-        errors: dict[str, list[str]] = {}
-        for rep in range(args.reps):
-            # Each repetition starts one method later: no method always follows the same one
-            # (a cache below the guest, or a disk that slows down after a burst, favours none).
-            k = rep % len(REGISTRY)
-            for _g, name, fn in REGISTRY[k:] + REGISTRY[:k]:
-                try:
-                    s = fn(b)
-                    times[name].append(s)
-                    print(
-                        f"rep {rep + 1}/{args.reps}  {name:<50} {s:7.3f} s "
-                        f"{b.nbytes / s / C.GB:6.2f} GB/s",
-                        flush=True,
-                    )
-                except Exception as e:
-                    tb = traceback.format_exc()
-                    first = name not in errors
-                    errors.setdefault(name, []).append(tb)
-                    detail = f"\n{tb}" if first else f" {type(e).__name__}: {e}"
-                    print(f"rep {rep + 1}/{args.reps}  {name}: ERROR{detail}", flush=True)
-                gc.collect()
+        times, errors = C.run_reps(REGISTRY, b, args.reps, rotate=True)
         b.notes["loadavg_start"], b.notes["loadavg_end"] = load0, os.getloadavg()
-        report(b, times, errors, args)
+        note = f", caches dropped ({b.notes.get('cache_drop')})"
+        C.report_run("restore", b, REGISTRY, times, errors, args, ratios, note)
     finally:
         C.remove(work)
     return 1 if errors else 0

@@ -20,14 +20,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import gc
 import io
 import os
 import queue
-import resource
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -624,34 +621,6 @@ def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
     return C.ratio_verdicts(rows)
 
 
-def report(b: Bench, times: dict[str, list[float]], errors: dict[str, list[str]], args) -> None:
-    stats = {n: C.summarize(ts, b.nbytes) for n, ts in times.items() if ts}
-    print(
-        f"\nstate: {b.desc['tensors']} tensors, {b.nbytes / C.GB:.3f} GB; GB = 1e9 bytes; "
-        f"{args.reps} reps, methods interleaved"
-    )
-    rs = ratios({n: s["median_gbps"] for n, s in stats.items()})
-    C.print_tables(REGISTRY, times, stats, rs, errors, args.reps)
-    import ckptd.knobs
-
-    result = {
-        "bench": "save_restore",
-        "units": "GB = 1e9 bytes; seconds wall clock",
-        "args": vars(args),
-        "machine": C.machine_info(b.work),
-        "state": b.desc | {"raw_file_bytes": b.size},
-        "ckpt_knob_defaults": vars(ckptd.knobs.get()),
-        "notes": b.notes,
-        "order": [n for _, n, _ in REGISTRY],
-        "per_rep_seconds": times,
-        "stats": stats,
-        "ratios": rs,
-        "errors": errors,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    }
-    print(f"\nresults: {C.write_results('save_restore', result)}")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -670,19 +639,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", module="torch.distributed")
     if args.sweep:
         add_sweep()
-    if args.only:
-        keep = [s.strip() for s in args.only.split("|") if s.strip()]
-        REGISTRY[:] = [m for m in REGISTRY if any(s in m[1] for s in keep)]
+    C.select(REGISTRY, args.only)
     args.dir.mkdir(parents=True, exist_ok=True)
     work = args.dir / f"run-{os.getpid()}"
     work.mkdir()
-    b_load = os.getloadavg()
-    if b_load[0] > 0.5 * (os.cpu_count() or 1):
-        print(
-            f"warning: load average {b_load[0]:.1f} at start: other processes compete for "
-            "the CPUs and the disk; expect noisy numbers",
-            flush=True,
-        )
+    b_load = C.loadavg_at_start()
     t0 = time.perf_counter()
     state, desc = C.make_state(args.size_gib, args.seed)
     b = Bench(work, state, desc)
@@ -692,32 +653,17 @@ def main(argv: list[str] | None = None) -> int:
         f"built in {time.perf_counter() - t0:.1f} s; work dir {work}",
         flush=True,
     )
-    times: dict[str, list[float]] = {n: [] for _, n, _ in REGISTRY}
-    errors: dict[str, list[str]] = {}
+
+    def clear_outputs() -> None:  # each repetition starts from an empty work dir
+        for key in list(b.outputs):
+            C.remove(b.outputs.pop(key))
+        for child in work.iterdir():
+            C.remove(child)
+
     try:
-        for rep in range(args.reps):
-            for _g, name, fn in REGISTRY:
-                try:
-                    s = fn(b)
-                    times[name].append(s)
-                    print(
-                        f"rep {rep + 1}/{args.reps}  {name:<62} {s:7.3f} s "
-                        f"{b.nbytes / s / C.GB:6.2f} GB/s",
-                        flush=True,
-                    )
-                except Exception as e:
-                    tb = traceback.format_exc()
-                    first = name not in errors
-                    errors.setdefault(name, []).append(tb)
-                    detail = f"\n{tb}" if first else f" {type(e).__name__}: {e}"
-                    print(f"rep {rep + 1}/{args.reps}  {name}: ERROR{detail}", flush=True)
-                gc.collect()
-            for key in list(b.outputs):
-                C.remove(b.outputs.pop(key))
-            for child in work.iterdir():
-                C.remove(child)
+        times, errors = C.run_reps(REGISTRY, b, args.reps, after_rep=clear_outputs)
         b.notes["loadavg_start"], b.notes["loadavg_end"] = b_load, os.getloadavg()
-        report(b, times, errors, args)
+        C.report_run("save_restore", b, REGISTRY, times, errors, args, ratios)
     finally:
         C.remove(work)
     return 1 if errors else 0
