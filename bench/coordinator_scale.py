@@ -62,9 +62,11 @@ import _common as C
 import grpc
 import numpy as np
 
+from ckptd.coordinator.core import ShardReport
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing
 from ckptd.format.writer import WriteItem, write_shard
+from ckptd.server import converters as cv
 from ckptd.storage import open_storage
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
@@ -387,15 +389,7 @@ class Job:
         async def report_and_wait(r: int) -> None:
             info = infos[r]
             ref = begin_reqs[r].ref
-            req = pb.ReportShardRequest(
-                ref=ref,
-                shard_path=info.path,
-                size=info.size,
-                index_path=info.index,
-                index_size=info.index_size,
-                index_blake3=info.index_blake3,
-                verify="size",
-            )
+            req = cv.report_to_pb(ref, ShardReport.of(info, "size"))
             t_report_sent[r] = now()
             st = await call(self.stub(r).ReportShard, req, f"rank {r} ReportShard")
             t_report_reply[r] = now()

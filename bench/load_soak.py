@@ -63,9 +63,11 @@ import _common as C
 import coordinator_scale as cs
 import grpc
 
+from ckptd.coordinator.core import ShardReport
 from ckptd.errors import CkptError
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
+from ckptd.server import converters as cv
 from ckptd.storage import open_storage
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
@@ -213,15 +215,7 @@ class Soak:
                 if not rnd.victims or st.status != pb.ABORTED:
                     self.problems["rank errors"].append(f"step {step} rank {r}: write: {e}")
                 return STATUS.get(st.status, pb.Status.Name(st.status)), st.reason
-            report = pb.ReportShardRequest(
-                ref=ref,
-                shard_path=info.path,
-                size=info.size,
-                index_path=info.index,
-                index_size=info.index_size,
-                index_blake3=info.index_blake3,
-                verify="size",
-            )
+            report = cv.report_to_pb(ref, ShardReport.of(info, "size"))
             if moment == "after_write":
                 zombie.update(rank=r, step=step, generation=rnd.generation, request=report)
                 return "DEAD", moment

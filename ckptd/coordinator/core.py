@@ -81,6 +81,13 @@ class ShardReport:
     write_s: float = dataclasses.field(default=0.0, compare=False)
     verify_s: float = dataclasses.field(default=0.0, compare=False)
 
+    @classmethod
+    def of(cls, info: ShardInfo, verify: str, **timings: float) -> ShardReport:
+        """The report of a written shard (ckptd.format.writer's ShardInfo)."""
+        return cls(
+            info.path, info.size, info.index, info.index_size, info.index_blake3, verify, **timings
+        )
+
 
 @dataclasses.dataclass
 class BeginResult:

@@ -126,3 +126,19 @@ def report_from_pb(req: pb.ReportShardRequest) -> core.ShardReport:
         write_s=req.write_s,
         verify_s=req.verify_s,
     )
+
+
+def report_to_pb(ref: pb.SaveRef, r: core.ShardReport) -> pb.ReportShardRequest:
+    return pb.ReportShardRequest(
+        ref=ref,
+        shard_path=r.shard_path,
+        size=r.size,
+        index_path=r.index_path,
+        index_size=r.index_size,
+        index_blake3=r.index_blake3,
+        verify=r.verify,
+        staging_s=r.staging_s,
+        persist_s=r.persist_s,
+        write_s=r.write_s,
+        verify_s=r.verify_s,
+    )

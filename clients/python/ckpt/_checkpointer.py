@@ -427,12 +427,8 @@ class Checkpointer:
         stats = ShardWriteStats()
         try:
             info = self._write(job, begun.write, digests, stats)
-            report = ShardReport(
-                info.path,
-                info.size,
-                info.index,
-                info.index_size,
-                info.index_blake3,
+            report = ShardReport.of(
+                info,
                 self.verify,
                 staging_s=pending.timings.staging_s,
                 persist_s=time.perf_counter() - t0,

@@ -147,19 +147,7 @@ class CoordinatorClient:
         )
 
     def report_shard(self, ref: SaveRef, report: ShardReport) -> StatusResult:
-        req = pb.ReportShardRequest(
-            ref=cv.ref_to_pb(ref),
-            shard_path=report.shard_path,
-            size=report.size,
-            index_path=report.index_path,
-            index_size=report.index_size,
-            index_blake3=report.index_blake3,
-            verify=report.verify,
-            staging_s=report.staging_s,
-            persist_s=report.persist_s,
-            write_s=report.write_s,
-            verify_s=report.verify_s,
-        )
+        req = cv.report_to_pb(cv.ref_to_pb(ref), report)
         return cv.status_from_pb(self._call(_what(ref), self._stub.ReportShard, req, timeout_s=120))
 
     def await_commit(self, ref: SaveRef, timeout_s: float) -> StatusResult:

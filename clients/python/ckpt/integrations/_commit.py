@@ -101,7 +101,7 @@ def commit(
 
     def report(r: int) -> str:
         s = shards[r]
-        rep = ShardReport(s.path, s.size, s.index, s.index_size, s.index_blake3, target.verify)
+        rep = ShardReport.of(s, target.verify)
         return client.report_shard(ref(r), rep).status
 
     ranks = list(range(target.world_size))
