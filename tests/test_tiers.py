@@ -166,6 +166,21 @@ def test_both_copies_bad_falls_back_to_an_older_step(mem_mirror, job):
     assert ckfmt.quarantine_reason(open_storage(job), 2) is not None
 
 
+def test_no_fallback_with_a_mirror_stays_at_the_newest_step(mem_mirror, job):
+    """fallback=False: both copies of the newest step are tried, never an older step."""
+    with ckpt.Checkpointer(job, mirror=mem_mirror) as cp:
+        save_all(cp, range(1, 3))
+    flip_local_shard(job, 2)
+    p = f"/{mem_mirror[len('memory://') :]}/{layout.step_dir(2)}/{layout.shard_name(0)}"
+    data = bytearray(MEM.cat_file(p))
+    data[64] ^= 1
+    MEM.pipe_file(p, bytes(data))
+    state = empty_state()
+    with ckpt.Checkpointer(job, mirror=mem_mirror) as cp:
+        with pytest.raises(ckpt.CorruptCheckpoint, match="step 2"):
+            cp.load(state, fallback=False)
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -576,6 +576,7 @@ class Checkpointer:
                 keys=keys,
                 cast=cast,
                 rank=self.rank,
+                fallback=fallback,
                 on_quarantine=self._tier_quarantined,
                 catalog_blake3=self._catalog_blake3,
             )

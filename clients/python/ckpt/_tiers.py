@@ -76,6 +76,7 @@ def load_tiered(
     keys: str | list[str] | None = None,
     cast: bool = False,
     rank: int = 0,
+    fallback: bool = True,
     on_quarantine: Callable[[str, int, str], None] | None = None,
     catalog_blake3: Callable[[int], str | None] | None = None,
 ) -> LoadResult:
@@ -153,7 +154,7 @@ def load_tiered(
                 else "COULD NOT BE READ",
                 reason,
             )
-        if step is not None:
+        if step is not None or not fallback:  # fallback=False: the newest step's copies only
             break
         current = _reduce_max(max((s for s in held if s < at), default=-1))
     kind = type(first_error) if first_error is not None else CheckpointNotFound
