@@ -121,11 +121,22 @@ def manifest_path(job: str | os.PathLike[str], step: int) -> str:
 
 
 def shard_path(job: str | os.PathLike[str], step: int, rank: int = 0) -> str:
-    return os.path.join(step_path(job, step), layout.shard_name(rank))
+    """Rank `rank`'s shard file of a step: the manifest's name for it once committed (a
+    save's generation is part of the name), else generation 0's."""
+    return os.path.join(step_path(job, step), _committed_names(job, step, rank)[0])
 
 
 def index_path(job: str | os.PathLike[str], step: int, rank: int = 0) -> str:
-    return os.path.join(step_path(job, step), layout.index_name(rank))
+    return os.path.join(step_path(job, step), _committed_names(job, step, rank)[1])
+
+
+def _committed_names(job: str | os.PathLike[str], step: int, rank: int) -> tuple[str, str]:
+    try:
+        shards = read_json(manifest_path(job, step))["shards"]
+    except FileNotFoundError:
+        return layout.shard_name(rank), layout.index_name(rank)
+    s = next(s for s in shards if s["rank"] == rank)
+    return s["path"], s["index"]
 
 
 def read_json(path: str) -> Any:

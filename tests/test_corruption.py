@@ -35,8 +35,15 @@ from ckptd.format import hashing
 BLOCK = 4096
 KEY = "layer.weight"  # 3000 float32 = 12000 bytes = 3 blocks of 4096
 SMALL = "layer.bias"
-BIN = "rank-00000.bin"
-IDX = "rank-00000.json"
+
+
+def bin_name(job: str, step: int = 2) -> str:
+    """Rank 0's shard file of `step` (a save's generation is part of its name)."""
+    return os.path.basename(shard_path(job, step))
+
+
+def idx_name(job: str, step: int = 2) -> str:
+    return os.path.basename(index_path(job, step))
 
 
 def make_state(step: int) -> dict[str, Any]:
@@ -70,55 +77,64 @@ def two_steps(job: str) -> dict[int, dict[str, Any]]:
 
 def flip_in(key: str, where: Callable[[dict], int]) -> Callable[[str], tuple]:
     def corrupt(job: str) -> tuple:
+        name = bin_name(job)
         e = entry(job, 2, key)
         pos = where(e)
         flip_bit(shard_path(job, 2), e["offset"] + pos, bit=3)
-        return BIN, key, ckpt.HashMismatch, (key, pos)
+        return name, key, ckpt.HashMismatch, (key, pos)
 
     return corrupt
 
 
 def truncate_one(job: str) -> tuple:
+    name = bin_name(job)
     p = shard_path(job, 2)
     os.truncate(p, os.path.getsize(p) - 1)
-    return BIN, None, ckpt.ShardSizeMismatch, None
+    return name, None, ckpt.ShardSizeMismatch, None
 
 
 def zero_length(job: str) -> tuple:
+    name = bin_name(job)
     os.truncate(shard_path(job, 2), 0)
-    return BIN, None, ckpt.ShardSizeMismatch, None
+    return name, None, ckpt.ShardSizeMismatch, None
 
 
 def append_byte(job: str) -> tuple:
+    name = bin_name(job)
     with open(shard_path(job, 2), "ab") as f:
         f.write(b"\0")
-    return BIN, None, ckpt.ShardSizeMismatch, None
+    return name, None, ckpt.ShardSizeMismatch, None
 
 
 def delete_shard(job: str) -> tuple:
+    name = bin_name(job)
     os.unlink(shard_path(job, 2))
-    return BIN, None, ckpt.ShardMissing, None
+    return name, None, ckpt.ShardMissing, None
 
 
 def delete_index(job: str) -> tuple:
+    name = idx_name(job)
     os.unlink(index_path(job, 2))
-    return IDX, None, ckpt.ShardMissing, None
+    return name, None, ckpt.ShardMissing, None
 
 
 def index_from_other_step(job: str) -> tuple:
+    name = idx_name(job)
     shutil.copyfile(index_path(job, 1), index_path(job, 2))
-    return IDX, None, ckpt.CorruptCheckpoint, None
+    return name, None, ckpt.CorruptCheckpoint, None
 
 
 def index_edited(job: str) -> tuple:
+    name = idx_name(job)
     doc = read_json(index_path(job, 2))
     doc["entries"][0]["blake3"][0] = "0" * 64
     write_bytes(index_path(job, 2), json.dumps(doc).encode())
-    return IDX, None, ckpt.CorruptCheckpoint, None
+    return name, None, ckpt.CorruptCheckpoint, None
 
 
 def consistent_rewrite(job: str) -> tuple:
     """Change the data and re-hash it into the index: only the manifest's index hash knows."""
+    name = idx_name(job)
     e = entry(job, 2, KEY)
     flip_bit(shard_path(job, 2), e["offset"] + 5, bit=0)
     with open(shard_path(job, 2), "rb") as f:
@@ -129,7 +145,7 @@ def consistent_rewrite(job: str) -> tuple:
         if d["key"] == KEY:
             d["blake3"] = hashing.hash_blocks(memoryview(data), BLOCK)
     write_bytes(index_path(job, 2), json.dumps(doc, separators=(",", ":")).encode())
-    return IDX, None, ckpt.CorruptCheckpoint, None
+    return name, None, ckpt.CorruptCheckpoint, None
 
 
 CASES = {
@@ -236,10 +252,10 @@ def test_swapped_shards_of_two_steps(job, ckptctl):
     for step in (2, 3):
         rc, out, err = ckptctl("verify", job, "--step", str(step))
         assert rc == 1
-        assert BIN in out + err
+        assert bin_name(job, step) in out + err
         with pytest.raises(ckpt.HashMismatch) as ei:
             ckpt.load({}, job, step=step)
-        assert BIN in str(ei.value) and f"step-{step:012d}" in str(ei.value)
+        assert bin_name(job, step) in str(ei.value) and f"step-{step:012d}" in str(ei.value)
     assert_same(ckpt.load({}, job, step=1).state, states[1])
     rc, out, _ = ckptctl("verify", job, "--all", "--json")
     assert rc == 1
@@ -313,7 +329,7 @@ def test_verify_corrupt_checkpoint_real_process(job, two_steps, run_ckptctl):
     flip_in(KEY, lambda e: 100)(job)
     rc, out, err = run_ckptctl("verify", job, "--all")
     assert rc == 1
-    assert BIN in out + err and KEY in out + err
+    assert bin_name(job) in out + err and KEY in out + err
 
 
 def test_verify_clean_in_process(job, two_steps, ckptctl):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from ckpt_testutil import (
 
 import ckpt
 import ckpt._api
+import ckptd.coordinator.core
 from ckptd import errors, knobs
 from ckptd.format import layout, recycle
 from ckptd.storage import open_storage
@@ -98,12 +100,20 @@ def test_every_error_class_is_listed():
 def test_saving_over_a_committed_step_is_refused(job):
     first = state_for(1)
     ckpt.save(first, job, step=1)
-    before = {p: os.path.getmtime(os.path.join(job, p)) for p in list_files(job)}
+
+    def checkpoint_files() -> dict[str, float]:  # the coordinator's catalog (.ckptd/) aside
+        return {
+            p: os.path.getmtime(os.path.join(job, p))
+            for p in list_files(job)
+            if not p.startswith(".ckptd/")
+        }
+
+    before = checkpoint_files()
     with pytest.raises(ckpt.CheckpointExists) as ei:
         ckpt.save(state_for(99), job, step=1)
     assert isinstance(ei.value, FileExistsError)
     assert layout.step_dir(1) in str(ei.value)
-    assert {p: os.path.getmtime(os.path.join(job, p)) for p in list_files(job)} == before
+    assert checkpoint_files() == before
     assert_same(ckpt.load({}, job).state, first)
 
 
@@ -268,7 +278,7 @@ def test_disk_full_efbig_from_the_kernel(job):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
-    assert "rank-00000.bin" in str(ei.value)
+    assert re.search(r"rank-00000(\.g\d+)?\.bin", str(ei.value)), ei.value  # the shard file
     assert isinstance(ei.value, OSError)
     assert_failed_save_left_nothing(job, 2, prev)
 
@@ -321,14 +331,14 @@ class FaultyStorage(DelegatingStorage):
         self.fail_write_at: int | None = faults.pop("fail_write_at", None)
         self.flip_on_write: bool = faults.pop("flip_on_write", False)
         self.fail_finish: bool = faults.pop("fail_finish", False)
-        self.fail_atomic: str | None = faults.pop("fail_atomic", None)  # suffix of the path
+        self.fail_atomic: str | None = faults.pop("fail_atomic", None)  # a regex on the path
         assert not faults, faults
 
     def open_write(self, path: str, size: int, **kw: Any) -> WriteHandle:
         return FaultyWriteHandle(self.inner.open_write(path, size, **kw), self)
 
     def write_atomic(self, path: str, data: bytes) -> None:
-        if self.fail_atomic is not None and path.endswith(self.fail_atomic):
+        if self.fail_atomic is not None and re.search(self.fail_atomic, path):
             raise ckpt.StorageError(28, f"injected ENOSPC writing {path}")
         self.inner.write_atomic(path, data)
 
@@ -347,7 +357,9 @@ def faulty(monkeypatch):
             made.append(fs)
             return fs
 
-        monkeypatch.setattr(ckpt._api, "open_storage", opener)
+        # The rank writes its shard and the coordinator its manifest, each on its storage.
+        monkeypatch.setattr(ckpt._checkpointer, "open_storage", opener)
+        monkeypatch.setattr(ckptd.coordinator.core, "open_storage", opener)
         return made
 
     return install
@@ -359,8 +371,8 @@ def faulty(monkeypatch):
         ({"fail_write_at": 1}, ckpt.StorageError),
         ({"fail_write_at": 3}, ckpt.StorageError),
         ({"fail_finish": True}, ckpt.StorageError),
-        ({"fail_atomic": "rank-00000.json"}, ckpt.StorageError),
-        ({"fail_atomic": layout.MANIFEST_NAME}, ckpt.StorageError),
+        ({"fail_atomic": r"/rank-00000(\.g\d+)?\.json$"}, ckpt.StorageError),
+        ({"fail_atomic": f"/{layout.MANIFEST_NAME}$"}, ckpt.StorageError),
         ({"flip_on_write": True}, ckpt.HashMismatch),
     ],
     ids=["first-write", "later-write", "fsync", "index-write", "manifest-write", "silent-bit-flip"],
@@ -486,8 +498,9 @@ def test_a_recycled_shard_file_keeps_nothing_of_its_old_content(job, direct_io):
         small = {"a": torch.arange(1, 11, dtype=torch.uint8), "b": torch.full((5000,), 3.0)}
         ckpt.save(small, job, step=3, keep_last=1)
     pool = os.path.join(job, *recycle.POOL.split("/"))
-    # step 1's file was taken for step 3 (only step 2's is left in the pool) ...
-    assert sorted(os.listdir(pool)) == [f"{2:012d}-rank-00000.bin"]
+    # step 1's file was taken for step 3 (only step 2's is left in the pool; each save is
+    # its own attempt, so step 2's shard carries generation 1 in its name) ...
+    assert sorted(os.listdir(pool)) == [f"{2:012d}-rank-00000.g1.bin"]
     assert committed(job) == [3]
     # ... and holds exactly the new entries, zeros everywhere else.
     with open(shard_path(job, 3), "rb") as f:

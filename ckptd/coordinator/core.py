@@ -382,7 +382,8 @@ class Coordinator:
             rec = self.catalog.save(job, ref.step)
             if rec is not None and rec.status == COMMITTED:
                 raise CheckpointExists(
-                    f"job {job!r} step {ref.step} is already committed; save under a new step"
+                    f"job {job!r} step {ref.step} ({layout.step_dir(ref.step)}) is already "
+                    "committed; save under a new step"
                 )
             if rec is not None and rec.generation == ref.generation and rec.status == ABORTED:
                 raise SaveAborted(
@@ -390,7 +391,8 @@ class Coordinator:
                 )
             if self.storage(job).exists(f"{layout.step_dir(ref.step)}/{layout.MANIFEST_NAME}"):
                 raise CheckpointExists(
-                    f"job {job!r} step {ref.step} is already committed in storage; save under a new step"
+                    f"job {job!r} step {ref.step} ({layout.step_dir(ref.step)}) is already "
+                    "committed in storage; save under a new step"
                 )
             s = Session(job, ref.step, ref.generation, ref.world_size, keep_last)
             s.barrier_deadline = time.monotonic() + (timeout_s or self.barrier_timeout_s)
@@ -897,6 +899,24 @@ class Coordinator:
         never a file the step's manifest (of another generation) references."""
         for r in range(world_size):
             self._remove_rank_files(job, step, generation, r)
+        self._remove_empty_step(job, step)
+
+    def _remove_empty_step(self, job: str, step: int) -> None:
+        """Remove a step directory that an abort left empty (no manifest, no shard of any
+        generation), so an aborted save leaves nothing behind. A save of the same step by a
+        newer generation has files there (it writes only after its BeginSave), and then
+        the directory stays; were one to start writing in between, its shard would fail
+        verification and its save abort: never a commit of a partial step."""
+        if (job, step) in self.sessions:
+            return
+        st = self.storage(job)
+        sdir = layout.step_dir(step)
+        try:
+            names = st.listdir(sdir)
+            if set(names) <= {layout.SHARDS_DIR} and not st.listdir(f"{sdir}/{layout.SHARDS_DIR}"):
+                st.remove_tree(sdir)
+        except (OSError, CkptError) as e:
+            log.warning("could not remove the empty step directory %s/%s: %s", st.url, sdir, e)
 
     def _remove_rank_files(self, job: str, step: int, generation: int, rank: int) -> None:
         st = self.storage(job)

@@ -10,11 +10,13 @@ ckpt.save(state)                          # asynchronous; step from state["step"
 ckpt.wait()
 """
 
-from ckpt._api import LoadResult, SaveResult, apply_retention, load, save
+from ckpt._api import apply_retention, load, save
 from ckpt._checkpointer import Checkpointer
 from ckpt._default import init, resume, wait
 from ckpt._flatten import PerRank
 from ckpt._pending import PendingSave
+from ckpt._restore import LoadResult
+from ckpt._results import SaveResult
 from ckpt._rng import RNGState
 from ckptd.errors import (
     CheckpointExists,

@@ -1,102 +1,33 @@
-"""save / load: what a training loop calls.
+"""save / load: what a training loop calls, as functions of the path.
 
-A save flattens the state, lays the tensors out as one shard file, writes it with
-parallel positional writes while hashing every block, fsyncs, verifies (re-reading the
-shard cold with verify="full"), and only then writes the manifest: the commit point.
-A failed save removes what it wrote and leaves earlier checkpoints untouched.
+Each delegates to the class that owns the work: a save goes through a Checkpointer and
+so through the job's coordinator (embedded when none is configured), exactly as the saves
+of many ranks do, so the catalog always knows what storage holds; it writes the shard
+straight from the caller's tensors (nothing runs meanwhile, so nothing is staged), hashes
+every block, fsyncs, verifies (re-reading the shard cold with verify="full"), and only
+then is the manifest written: the commit point. A failed save removes what it wrote and
+leaves earlier checkpoints untouched. A load reads storage alone (promise 6).
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import json
-import logging
 import os
-import time
-from typing import TYPE_CHECKING, Any, overload
+import threading
+from typing import Any, overload
 
-from ckpt._flatten import flatten
+from ckpt import _default, _world
+from ckpt._checkpointer import Checkpointer
+from ckpt._pending import PendingSave
 from ckpt._restore import LoadResult, load_checkpoint
+from ckpt._results import SaveResult
+from ckpt._save_job import SaveOptions
 from ckptd import knobs
-from ckptd.errors import UnsupportedValue
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import layout, recycle
-from ckptd.format.manifest import Manifest
-from ckptd.format.writer import ShardWriteStats, write_shard
+from ckptd.format import recycle
 from ckptd.storage import Storage, open_storage
 
-if TYPE_CHECKING:
-    from ckpt._pending import PendingSave
-
-log = logging.getLogger("ckpt")
-
 PathLike = str | os.PathLike[str]
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveResult:
-    """What a committed save cost. The phases are this rank's (the coordinator exports the
-    same timings of every rank as Prometheus metrics): staging (blocking) -> persist
-    (background: hashing, planning, write_s, verify_s) -> commit (report to COMMITTED)."""
-
-    step: int
-    path: str  # the step directory
-    bytes: int  # bytes this rank wrote into its shard
-    seconds: float  # wall time of the whole save
-    write_s: float = 0.0  # writing + hashing + fsync
-    verify_s: float = 0.0  # re-reading and checking
-    tensors: int = 0
-    staging_s: float = 0.0  # copy into host memory (0 for a blocking single-process save)
-    persist_s: float = 0.0  # the background part up to the report (includes write_s, verify_s)
-    commit_s: float = 0.0  # from this rank's report (or the manifest write) to COMMITTED
-    blocking_s: float = 0.0  # what the training loop waited for
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
-
-
-def log_saved(result: SaveResult, where: str) -> None:
-    """One INFO line per committed save (logger "ckpt"), so the timings land in job logs."""
-    log.info(
-        "%s: committed %.3f GB in %.2f s (%.2f GB/s): blocking %.3f s, staging %.3f s, "
-        "persist %.2f s (write %.2f s, verify %.2f s), commit %.2f s",
-        where,
-        result.bytes / 1e9,
-        result.seconds,
-        result.gbps,
-        result.blocking_s,
-        result.staging_s,
-        result.persist_s,
-        result.write_s,
-        result.verify_s,
-        result.commit_s,
-    )
-
-
-def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _check_metadata(metadata: Any) -> dict[str, Any]:
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict):
-        raise UnsupportedValue(
-            f"metadata must be a dict of JSON values, got {type(metadata).__name__}"
-        )
-    try:
-        json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise UnsupportedValue(
-            f"metadata is not plain JSON ({e}); put tensors and other values in the state instead"
-        ) from None
-    return metadata
 
 
 @overload
@@ -146,8 +77,6 @@ def save(
     the step is state["step"] when present, else one past the last one saved or resumed.
     """
     if path is None:
-        from ckpt import _default
-
         given = [
             name
             for name, v in (
@@ -169,109 +98,57 @@ def save(
             "ckpt.save(state, path) needs step=...; ckpt.save(state) without a path (after "
             "ckpt.init) takes the step from state['step']"
         )
-    verify = verify or "full"
-    t0 = time.perf_counter()
-    layout.check_step(step)
-    meta = _check_metadata(metadata)
-    rank, world = _world()
-    if world != 1 or os.environ.get("CKPTD_ADDRESS"):
-        # Many ranks (or a configured service): go through the coordinator.
-        cp = _checkpointer_for(path, keep_last=keep_last, verify=verify)
-        result = cp.save(state, step, metadata=meta, blocking=True).wait()
-        assert result is not None
-        return result
-    node, leaves = flatten(state)
-    storage = open_storage(path, create=True)
-    job = os.fspath(path)
-    ckfmt.begin_step(storage, step)
-    stats = ShardWriteStats()
+    options = SaveOptions(
+        verify=verify or "full",
+        keep_last=keep_last,
+        staging_budget_bytes=0,  # a blocking save writes from the tensors: no staged copy
+        preallocate=preallocate,
+        io_threads=io_threads,
+    )
+    cp, owned = _checkpointer_for(path)
     try:
-        items = [leaf.write_item(leaf.data) for leaf in leaves]
-        info = write_shard(
-            storage,
-            job=job,
-            step=step,
-            rank=0,
-            world_size=1,
-            generation=0,
-            items=items,
-            verify=verify,
-            preallocate=preallocate,
-            io_threads=io_threads,
-            stats=stats,
-        )
-        k = knobs.get()
-        manifest = Manifest(
-            job=job,
-            step=step,
-            generation=0,
-            world_size=1,
-            block_size=k.block_size,
-            alignment=k.alignment,
-            shards=[info],
-            state=node,
-            metadata=meta,
-        )
-        t_commit = time.perf_counter()
-        ckfmt.commit(storage, manifest)
-        commit_s = time.perf_counter() - t_commit
-    except BaseException:
-        # Not committed: remove the debris now; earlier steps are untouched.
-        try:
-            storage.remove_tree(layout.step_dir(step))
-        except OSError:
-            log.warning("could not remove the failed save's files at %s", layout.step_dir(step))
-        raise
-    del leaves  # release references to the caller's tensors
-    if keep_last is not None:
-        apply_retention(storage, keep_last)
-    seconds = time.perf_counter() - t0
-    result = SaveResult(
-        step=step,
-        path=f"{storage.url}/{layout.step_dir(step)}",
-        bytes=info.size,
-        seconds=seconds,
-        write_s=stats.write_s,
-        verify_s=stats.verify_s,
-        tensors=len(items),
-        persist_s=seconds - commit_s,
-        commit_s=commit_s,
-        blocking_s=seconds,
-    )
-    log_saved(result, f"job {job!r} step {step}")
-    log.debug(
-        "job %r step %d: %d tensor(s) in %s (verify=%s)", job, step, len(items), info.path, verify
-    )
+        result = cp.save(state, step, metadata=metadata, blocking=True, options=options).wait()
+    finally:
+        if owned:
+            cp.close()
+    assert result is not None
     return result
 
 
-_checkpointers: dict[tuple[str, int | None, str], Any] = {}
+_lock = threading.Lock()
+_shared: dict[str, Checkpointer] = {}
 
 
-def _checkpointer_for(path: PathLike, *, keep_last: int | None, verify: str) -> Any:
-    """One Checkpointer per job for module-level calls, closed at exit."""
-    from ckpt import _default
-    from ckpt._checkpointer import Checkpointer
+def _checkpointer_for(path: PathLike) -> tuple[Checkpointer, bool]:
+    """The Checkpointer a module-level save goes through, and whether the caller closes it.
 
+    The job's default Checkpointer when it is open (one coordinator per job and process).
+    One process alone opens one for the save and closes it after, so nothing outlives the
+    call. Several ranks keep one per job for the life of the process: opening one is a
+    step every rank takes together (the coordinator's address and the attempt travel
+    through the process group's store), which a call on one rank cannot redo alone.
+    """
     d = _default.current()
     p = os.fspath(path)
     if "://" not in p:
         p = os.path.realpath(os.path.abspath(p))
-    if d is not None and not d._closed and d.path == p:
-        return d  # the job's default Checkpointer: one coordinator per job and process
-    k = (os.path.realpath(os.fspath(path)), keep_last, verify)
-    cp = _checkpointers.get(k)
-    if cp is None:
-        if not _checkpointers:
-            atexit.register(_close_checkpointers)
-        cp = _checkpointers[k] = Checkpointer(path, keep_last=keep_last, verify=verify)
-    return cp
+    if d is not None and not d.closed and d.path == p:
+        return d, False
+    if _world.rank_and_world()[1] == 1:
+        return Checkpointer(p), True
+    with _lock:
+        cp = _shared.get(p)
+        if cp is None or cp.closed:
+            if not _shared:
+                atexit.register(_close_shared)
+            cp = _shared[p] = Checkpointer(p)
+        return cp, False
 
 
-def _close_checkpointers() -> None:
-    for cp in _checkpointers.values():
+def _close_shared() -> None:
+    for cp in _shared.values():
         cp.close()
-    _checkpointers.clear()
+    _shared.clear()
 
 
 def apply_retention(storage: Storage, keep_last: int) -> list[int]:
@@ -333,6 +210,6 @@ def load(
         keys=keys,
         cast=cast,
         fallback=fallback,
-        rank=_world()[0],
+        rank=_world.rank_and_world()[0],
         threads=io_threads,
     )

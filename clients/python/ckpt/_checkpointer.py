@@ -17,41 +17,31 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import logging
 import os
-import threading
 import time
-import uuid
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckpt import _hooks, _resume, _world
-from ckpt._api import LoadResult, SaveResult, _check_metadata, log_saved
-from ckpt._embedded import EmbeddedCoordinator
+from ckpt._connect import connect
 from ckpt._flatten import flatten
 from ckpt._mirror import MirrorUploader
 from ckpt._pending import PendingSave
-from ckpt._restore import load_checkpoint
-from ckpt._staging import HostImage, stage
+from ckpt._protocol import RankSave
+from ckpt._restore import LoadResult, load_checkpoint
+from ckpt._results import SaveResult, check_metadata, log_saved
+from ckpt._save_job import SaveJob, SaveOptions
+from ckpt._staging import HostImage
 from ckpt._tiers import load_tiered
-from ckpt._transport import CoordinatorClient
-from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
-from ckptd.coordinator.planning import ChunkPlan
-from ckptd.errors import (
-    CheckpointNotFound,
-    CkptError,
-    CoordinatorUnavailable,
-    SaveAborted,
-    SaveFailed,
-)
+from ckptd.errors import CheckpointNotFound, CkptError, CoordinatorUnavailable, SaveFailed
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout
-from ckptd.format.writer import ShardWriter, ShardWriteStats, WriteItem, hash_items, plan_offsets
+from ckptd.format.writer import ShardWriteStats
 from ckptd.storage import Storage, open_storage
 
 log = logging.getLogger("ckpt")
@@ -101,38 +91,36 @@ class Checkpointer:
         mirror_keep_last: int | None = None,
         mirror_close_timeout_s: float = 600.0,
     ):
-        if verify not in ("full", "size"):
-            raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
         if mirror_keep_last is not None and mirror_keep_last < 1:
             raise ValueError(f"mirror_keep_last must be at least 1, got {mirror_keep_last}")
+        self.options = SaveOptions(
+            verify=verify, keep_last=keep_last, staging_budget_bytes=staging_budget_bytes
+        )
         if save_on_preemption:
             _hooks.check_main_thread()  # before anything is started that would need closing
         p = os.fspath(path)
         self.path = p if "://" in p else os.path.realpath(os.path.abspath(p))
-        self.keep_last = keep_last
-        self.verify = verify
         self.allow_divergent = allow_divergent_replicas
         self.timeout_s = timeout_s
         self.rank, self.world_size = _world.rank_and_world()
-        self._embedded: EmbeddedCoordinator | None = None
         self._closed = False
-        address = coordinator or os.environ.get("CKPTD_ADDRESS")
-        token = token if token is not None else os.environ.get("CKPTD_TOKEN")
-        attempt = _world.attempt_id(attempt, self.world_size)
-        if address is None:
-            address, token, attempt = self._zero_config(attempt, lease_s)
-        elif attempt is None:
-            attempt = self._shared_attempt()
-        self.client = CoordinatorClient(
-            address, token=token, root_certificates=tls_root_cert, client_cert=tls_client_cert
+        self._conn = connect(
+            self.path,
+            rank=self.rank,
+            world_size=self.world_size,
+            address=coordinator,
+            token=token,
+            attempt=attempt,
+            lease_s=lease_s,
+            barrier_timeout_s=timeout_s,
+            tls_root_cert=tls_root_cert,
+            tls_client_cert=tls_client_cert,
         )
-        self.address = address
-        self.attempt = attempt
-        self.generation, self.job_name = self.client.open_job(self.path, attempt)
+        self.client = self._conn.client
+        self.address, self.attempt = self._conn.address, self._conn.attempt
+        self.generation, self.job_name = self._conn.generation, self._conn.job_name
         self.storage = open_storage(self.path, create=True)
         self.mirror_storage = (
             mirror
@@ -158,9 +146,6 @@ class Checkpointer:
             if newest is not None:
                 self._mirror.submit(newest)
         self.on_error = on_error
-        if staging_budget_bytes is not None and staging_budget_bytes < 0:
-            raise ValueError(f"staging_budget_bytes must be >= 0, got {staging_budget_bytes}")
-        self.staging_budget_bytes = staging_budget_bytes
         self._image = HostImage()
         self._inflight: PendingSave | None = None
         # One background thread: saves persist in order, at most one at a time.
@@ -186,56 +171,24 @@ class Checkpointer:
             _hooks.install(self._signals)
         _open.add(self)
 
-    # -- setup -------------------------------------------------------------------------
-    def _zero_config(self, attempt: str | None, lease_s: float) -> tuple[str, str | None, str]:
-        if self.world_size == 1:
-            self._embedded = EmbeddedCoordinator(
-                self.path, lease_s=lease_s, barrier_timeout_s=self.timeout_s
-            )
-            return (
-                self._embedded.address,
-                self._embedded.token,
-                attempt or f"process-{uuid.uuid4()}",
-            )
-        store = _world.dist_store()
-        # torchrun keeps its store across restarts: a key without the attempt would hand
-        # the restarted ranks the address of the previous attempt's (dead) coordinator.
-        key = f"ckptd/coordinator/{self.path}" + (f"/{attempt}" if attempt else "")
-        if store is None:
-            raise CkptError(
-                f"job {self.path!r} rank {self.rank} of {self.world_size}: no coordinator address and no "
-                "torch.distributed process group to find one; call dist.init_process_group() before "
-                "creating the Checkpointer, or start `ckptd serve` and set CKPTD_ADDRESS"
-            )
-        if self.rank == 0:
-            single_node = os.environ.get("LOCAL_WORLD_SIZE") == str(self.world_size)
-            host = "127.0.0.1" if single_node else "0.0.0.0"  # noqa: S104 - other nodes must reach it
-            self._embedded = EmbeddedCoordinator(
-                self.path, host=host, lease_s=lease_s, barrier_timeout_s=self.timeout_s
-            )
-            info = {
-                "address": self._embedded.address,
-                "token": self._embedded.token,
-                "attempt": attempt or str(uuid.uuid4()),
-            }
-            store.set(key, json.dumps(info))  # type: ignore[attr-defined]
-        else:
-            info = json.loads(store.get(key))  # type: ignore[attr-defined]
-        return info["address"], info["token"], info["attempt"]
-
-    def _shared_attempt(self) -> str:
-        store = _world.dist_store()
-        if store is None:
-            raise CkptError(
-                f"job {self.path!r} rank {self.rank} of {self.world_size}: cannot name this launch; "
-                "pass attempt=... (the same on every rank, new for every launch) or set CKPT_ATTEMPT"
-            )
-        key = f"ckptd/attempt/{self.path}"
-        if self.rank == 0:
-            store.set(key, str(uuid.uuid4()))  # type: ignore[attr-defined]
-        return str(store.get(key).decode())  # type: ignore[attr-defined]
-
     # -- save --------------------------------------------------------------------------
+    @property
+    def keep_last(self) -> int | None:
+        return self.options.keep_last
+
+    @property
+    def verify(self) -> str:
+        return self.options.verify
+
+    @property
+    def last_step(self) -> int | None:
+        """The newest step saved or resumed by this Checkpointer (None before either)."""
+        return self._last_step
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def save(
         self,
         state: Any,
@@ -244,6 +197,7 @@ class Checkpointer:
         metadata: dict[str, Any] | None = None,
         blocking: bool = False,
         if_busy: str = "wait",
+        options: SaveOptions | None = None,
     ) -> PendingSave:
         """Save `state` as `step` from this rank.
 
@@ -254,12 +208,14 @@ class Checkpointer:
         blocking=True returns only when the step is committed.
         if_busy: what to do while the previous save still persists: "wait" for it, or
         "skip" this one (the PendingSave is marked skipped).
+        options: this save's SaveOptions instead of the Checkpointer's (the module-level
+        ckpt.save passes its keyword arguments this way).
         """
         self._check_open()
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         layout.check_step(step)
-        meta = _check_metadata(metadata)
+        meta = check_metadata(metadata)
         prev = self._inflight
         if prev is not None and not prev.done():
             if if_busy == "skip":
@@ -270,22 +226,24 @@ class Checkpointer:
                     prev.step,
                 )
                 return PendingSave(step, skipped=True)
-            prev._done.wait()
+            prev.join()
         self._raise_unseen(prev)
+        ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
         t0 = time.perf_counter()
         try:
             node, leaves = flatten(state, rank=self.rank, keep_device=True)
             t1 = time.perf_counter()
-            job = self._stage(step, node, meta, leaves)
+            job = SaveJob(
+                self.storage, ref, node, meta, options or self.options, leaves, self._image
+            )
         except BaseException as e:
             # The other ranks must not wait for this one at the barrier.
-            ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
-            self._abort_quietly(ref, f"{type(e).__name__}: {e}")
+            RankSave(self.client, ref, timeout_s=self.timeout_s).abort(f"{type(e).__name__}: {e}")
             raise
         del leaves  # the staged copy is what gets saved; the caller's tensors are free
         crash_point("rank.after_stage")
         pending = PendingSave(step)
-        pending.timings.staging_s = time.perf_counter() - t1
+        pending.timings.staging_s = time.perf_counter() - t1 - job.overflow_write_s
         pending.timings.blocking_s = time.perf_counter() - t0
         pending.bytes = job.size
         self._inflight = pending
@@ -297,57 +255,22 @@ class Checkpointer:
         self._worker.submit(self._persist, job, pending)
         return pending
 
-    def _stage(self, step: int, node: Any, meta: dict[str, Any], leaves: list[Any]) -> _SaveJob:
-        """The blocking part: copy what fits the staging budget; write the rest now.
-
-        Over budget, the leading entries (in shard order) that fit are staged and the rest
-        are written to the shard file straight from the caller's tensors before save()
-        returns (hashed as they are written), so save() blocks only for what does not fit.
-        Those bytes land in the file whichever rank the plan later asks to write them;
-        when another replica writes them, they are simply not in this shard's index.
-        """
-        align = knobs.get().alignment
-        sizes = [leaf.nbytes for leaf in leaves]
-        offsets, size = plan_offsets(sizes, align)
-        budget = self.staging_budget_bytes
-        n = len(leaves)
-        if budget is not None and size > budget:
-            n = 0
-            while n < len(leaves) and _round_up(offsets[n] + sizes[n], align) <= budget:
-                n += 1
-        image, staged, _ = stage(leaves[:n], self._image, alignment=align)
-        items = staged + [leaf.write_item(leaf.host_bytes()) for leaf in leaves[n:]]
-        job = _SaveJob(step, node, meta, image, items, offsets, n, size)
-        if n < len(leaves):
-            job.writer = ShardWriter(
-                self.storage,
-                job=self.path,
-                step=step,
-                rank=self.rank,
-                world_size=self.world_size,
-                generation=self.generation,
-                size=size,
-                recycle_ok=False,
-            )
-            job.overflow_digests = job.writer.write(items[n:], offsets[n:])
-        return job
-
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the save in flight (if any); raises its failure."""
         p = self._inflight
         if p is None:
             return None
-        if not p._done.wait(timeout):
+        if not p.join(timeout):
             raise TimeoutError(
                 f"job {self.path!r} step {p.step}: still persisting after {timeout} s"
             )
         self._raise_unseen(p)
-        return p._result
+        return p.committed
 
     def _raise_unseen(self, p: PendingSave | None) -> None:
         if p is None:
             return
-        err = p._take_unseen_error()
+        err = p.take_unseen_error()
         if err is None:
             return
         if self.on_error == "warn":
@@ -355,14 +278,14 @@ class Checkpointer:
             return
         raise err
 
-    def _persist(self, job: _SaveJob, pending: PendingSave) -> None:
+    def _persist(self, job: SaveJob, pending: PendingSave) -> None:
         """The background part of a save; records the outcome in `pending`, never raises."""
         t0 = time.perf_counter()
         try:
-            result = self._persist_steps(job, pending, t0)
+            result = self._commit(job, pending, t0)
         except BaseException as e:  # handed to the training loop through the PendingSave
             pending.timings.persist_s = time.perf_counter() - t0
-            pending._finish(None, e)
+            pending.settle(None, e)
             if self.on_error == "warn":
                 log.warning("job %s step %d failed: %s", self.path, job.step, e)
             return
@@ -376,178 +299,74 @@ class Checkpointer:
             blocking_s=t.blocking_s,
         )
         log_saved(result, f"job {self.path!r} step {job.step} rank {self.rank}/{self.world_size}")
-        pending._finish(result, None)
+        pending.settle(result, None)
         if self._mirror is not None:
             self._mirror.submit(job.step)  # committed locally: now the copy to the mirror
 
-    def _persist_steps(self, job: _SaveJob, pending: PendingSave, t0: float) -> SaveResult:
-        step, items = job.step, job.items
-        ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
-        where = f"job {self.path!r} step {step} rank {self.rank}/{self.world_size}"
+    def _commit(self, job: SaveJob, pending: PendingSave, t0: float) -> SaveResult:
+        """Hash, plan with the coordinator, write what this rank was assigned, commit."""
+        save = RankSave(self.client, job.ref, timeout_s=self.timeout_s)
         try:
-            digests = hash_items(items[: job.n_staged]) + job.overflow_digests
+            digests = job.digests()
         except BaseException as e:
-            self._abort_quietly(ref, f"{type(e).__name__}: {e}")
-            if job.writer is not None:
-                job.writer.abort()
+            save.abort(f"{type(e).__name__}: {e}")
+            job.abort()
             raise
-        plan = ChunkPlan.of_items(items, digests)
+        plan = job.plan(digests)
+        t_begin = time.perf_counter()
         try:
-            t_begin = time.perf_counter()
-            begun = self.client.begin_save(
-                ref,
+            begun = save.begin(
                 plan,
                 state=job.node,
                 metadata=job.metadata,
                 allow_divergent=self.allow_divergent,
-                keep_last=self.keep_last or 0,
-                timeout_s=self.timeout_s,
+                keep_last=job.options.keep_last,
             )
-        except BaseException as e:
-            if not isinstance(e, CkptError):
-                self._abort_quietly(ref, f"{type(e).__name__}: {e}")
-            if job.writer is not None:
-                job.writer.abort()
+        except BaseException:
+            job.abort()
             raise
-        for w in begun.warnings:
-            log.warning("%s: %s", where, w)
         log.debug(
             "%s: planned %d chunk(s), writes %d (%s) after %.3f s at the barrier",
-            where,
+            save.where,
             len(plan),
             len(begun.write),
             begun.shard_path,
             time.perf_counter() - t_begin,
         )
-        stop = threading.Event()
-        pinger = threading.Thread(
-            target=self._keep_alive, args=(ref, begun.lease_s, stop), daemon=True
-        )
-        pinger.start()
         stats = ShardWriteStats()
-        try:
-            info = self._write(job, begun.write, digests, stats)
-            report = ShardReport.of(
-                info,
-                self.verify,
-                staging_s=pending.timings.staging_s,
-                persist_s=time.perf_counter() - t0,
-                write_s=stats.write_s,
-                verify_s=stats.verify_s,
-            )
+        with save.leased(begun.lease_s):
+            info = job.write(begun.write, digests, stats)
             log.debug(
                 "%s: shard %s written (%d bytes): write %.3f s, verify %.3f s (%s)",
-                where,
+                save.where,
                 info.path,
                 info.size,
                 stats.write_s,
                 stats.verify_s,
-                self.verify,
+                job.options.verify,
             )
-            crash_point("rank.before_report")
             t_report = time.perf_counter()
-            status = self.client.report_shard(ref, report)
-            crash_point("rank.after_report")
-            if status.status != "ABORTED":
-                status = self.client.await_commit(ref, self.timeout_s)
-            pending.timings.commit_s = time.perf_counter() - t_report
-        except BaseException as e:
-            stop.set()
-            aborted = self._aborted_under(ref, where, e)
-            if aborted is not None:
-                raise aborted from e
-            self._abort_quietly(ref, f"{type(e).__name__}: {e}")
-            raise
-        finally:
-            stop.set()
-        if status.status != "COMMITTED":
-            raise SaveAborted(
-                f"{where}: the save was not committed ({status.status}): {status.reason}"
+            status = save.commit(
+                ShardReport.of(
+                    info,
+                    job.options.verify,
+                    staging_s=pending.timings.staging_s,
+                    persist_s=time.perf_counter() - t0,
+                    write_s=stats.write_s,
+                    verify_s=stats.verify_s,
+                )
             )
+            pending.timings.commit_s = time.perf_counter() - t_report
+        save.require_committed(status)
         return SaveResult(
-            step=step,
-            path=f"{self.storage.url}/{layout.step_dir(step)}",
-            bytes=sum(items[i].data.nbytes for i in begun.write),
+            step=job.step,
+            path=f"{self.storage.url}/{layout.step_dir(job.step)}",
+            bytes=job.written_bytes(begun.write),
             seconds=pending.timings.blocking_s + time.perf_counter() - t_begin,
             write_s=stats.write_s,
             verify_s=stats.verify_s,
             tensors=len(begun.write),
         )
-
-    def _write(
-        self, job: _SaveJob, write: list[int], digests: list[list[str]], stats: ShardWriteStats
-    ) -> Any:
-        """Write this rank's assigned chunks from the staged image; fsync, index, verify."""
-        t0 = time.perf_counter()
-        staged = [i for i in write if i < job.n_staged]
-        writer = job.writer
-        if writer is None:
-            covered = sum(_round_up(job.items[i].data.nbytes, knobs.get().alignment) for i in write)
-            writer = ShardWriter(
-                self.storage,
-                job=self.path,
-                step=job.step,
-                rank=self.rank,
-                world_size=self.world_size,
-                generation=self.generation,
-                size=job.size,
-                recycle_ok=covered == job.size,
-            )
-        writer.write(
-            [job.items[i] for i in staged],
-            [job.offsets[i] for i in staged],
-            image=job.image,
-            digests=[digests[i] for i in staged],
-        )
-        stats.write_s = time.perf_counter() - t0
-        return writer.finish(
-            [job.items[i] for i in write],
-            [job.offsets[i] for i in write],
-            [digests[i] for i in write],
-            verify=self.verify,
-            stats=stats,
-        )
-
-    def _keep_alive(self, ref: SaveRef, lease_s: float, stop: threading.Event) -> None:
-        while not stop.wait(max(0.05, lease_s / 3)):
-            try:
-                st = self.client.keep_alive(ref)
-            except CkptError as e:
-                log.debug("keep-alive for step %d failed: %s", ref.step, e)
-                continue
-            if st.status in ("ABORTED", "COMMITTED"):
-                return
-
-    def _aborted_under(self, ref: SaveRef, where: str, e: BaseException) -> CkptError | None:
-        """The coordinator's error when it had already aborted the save, else None.
-
-        An abort removes the save's files, so a rank still writing or verifying then fails
-        on storage (ShardMissing, ...): a symptom. The save's state names the cause (a
-        peer's lease expired, a newer attempt fenced this one). While the save is open, or
-        when the coordinator cannot be asked, the rank's own error stands.
-        """
-        if not isinstance(e, Exception) or isinstance(e, (SaveFailed, CoordinatorUnavailable)):
-            return None  # already the coordinator's word, or it cannot be asked
-        try:
-            st = self.client.keep_alive(ref)
-        except SaveFailed as fenced:  # StaleGeneration: this attempt is superseded
-            return fenced
-        except CkptError as q:
-            log.debug("%s: could not ask the coordinator why the save failed: %s", where, q)
-            return None
-        if st.status != "ABORTED":
-            return None
-        return SaveAborted(
-            f"{where}: the coordinator aborted the save while this rank was writing its shard "
-            f"({st.reason}); this rank's {type(e).__name__} follows from it (an aborted save's "
-            "files are removed). Earlier checkpoints are intact; the next save proceeds as usual"
-        )
-
-    def _abort_quietly(self, ref: SaveRef, reason: str) -> None:
-        try:
-            self.client.abort_save(ref, reason)
-        except CkptError as e:
-            log.warning("could not tell the coordinator that step %d failed: %s", ref.step, e)
 
     # -- load --------------------------------------------------------------------------
     def load(
@@ -723,16 +542,16 @@ class Checkpointer:
         self._stopped = True
         final = self._inflight
         if final is not None:
-            final._done.wait()
-            if final._error is not None:
+            final.join()
+            failure = final.take_unseen_error() or final.error
+            if failure is not None:
                 log.error(
                     "job %s: the save of step %d failed (%s); taking a new one at step %d",
                     self.path,
                     final.step,
-                    final._error,
+                    failure,
                     step,
                 )
-                final._error_seen = True
                 final = None
             elif stop.inflight is None and final.step != step:
                 final = None  # nothing was in flight when the signal came: save this step
@@ -772,15 +591,13 @@ class Checkpointer:
         try:
             p = self._inflight
             if p is not None:
-                p._done.wait()
+                p.join()
             if self._mirror is not None:
                 self._mirror.close(self.mirror_close_timeout_s)
             self._wait_for_peers()
             self._closed = True
             self._worker.shutdown(wait=True)
-            self.client.close()
-            if self._embedded is not None:
-                self._embedded.close()
+            self._conn.close()
             self._image.release()
             _open.discard(self)
         finally:
@@ -816,7 +633,7 @@ class Checkpointer:
         key = f"ckptd/closed/{self.path}/{self.attempt}"
         try:
             n = self._store.add(key, 1)  # type: ignore[attr-defined]
-            if self._embedded is None:
+            if self._conn.embedded is None:
                 return
             deadline = time.monotonic() + timeout_s
             while n < self.world_size and time.monotonic() < deadline:
@@ -850,33 +667,6 @@ class Checkpointer:
                     raise
             return
         self.close()
-
-
-class _SaveJob:
-    """One save between its blocking part and its background part."""
-
-    def __init__(
-        self,
-        step: int,
-        node: Any,
-        metadata: dict[str, Any],
-        image: Any,
-        items: list[WriteItem],
-        offsets: list[int],
-        n_staged: int,
-        size: int,
-    ):
-        self.step, self.node, self.metadata = step, node, metadata
-        self.image, self.items, self.offsets = image, items, offsets
-        self.n_staged, self.size = n_staged, size
-        # Over the staging budget: the shard file is open and the entries past n_staged
-        # are already written (with these block hashes).
-        self.writer: ShardWriter | None = None
-        self.overflow_digests: list[list[str]] = []
-
-
-def _round_up(n: int, align: int) -> int:
-    return -(-n // align) * align
 
 
 # Checkpointers still open at interpreter exit flush their save in flight.

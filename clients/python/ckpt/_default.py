@@ -19,9 +19,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ckpt._api import SaveResult
 from ckpt._checkpointer import Checkpointer
 from ckpt._pending import PendingSave
+from ckpt._results import SaveResult
 from ckptd.errors import CkptError
 
 ENV_PATH = "CKPT_PATH"
@@ -52,7 +52,7 @@ def init(path: str | os.PathLike[str] | None = None, **options: Any) -> Checkpoi
 def get() -> Checkpointer:
     """The default Checkpointer; created from $CKPT_PATH on first use."""
     cp = _default
-    if cp is not None and not cp._closed:
+    if cp is not None and not cp.closed:
         return cp
     if cp is None and os.environ.get(ENV_PATH):
         return init()
@@ -91,7 +91,7 @@ def save(
     if step is None:
         step = step_of(state)
     if step is None:
-        last = cp._last_step
+        last = cp.last_step
         if last is None:
             last = cp.latest_step() or 0
         step = last + 1
@@ -106,6 +106,6 @@ def resume(state: Any, *, allow_fresh_start: bool = False, strict: bool = True) 
 def wait(timeout: float | None = None) -> SaveResult | None:
     """Wait for the default Checkpointer's save in flight; its result, or None when none."""
     cp = _default
-    if cp is None or cp._closed:
+    if cp is None or cp.closed:
         return None
     return cp.wait(timeout)

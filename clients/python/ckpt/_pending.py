@@ -3,6 +3,10 @@
 `wait()` re-raises a background failure in the caller's thread, once; the Checkpointer
 also raises it at the next `save()` and at `close()` unless the user chose
 on_error="warn", so a failed save can never pass unnoticed.
+
+The background side calls `settle()` exactly once; everything else is the reader's side.
+`join()` waits without raising and `take_unseen_error()` hands a failure over once, so
+the Checkpointer decides when to raise without reaching into the handle.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from ckpt._api import SaveResult
+from ckpt._results import SaveResult
 
 
 @dataclasses.dataclass
@@ -34,23 +38,28 @@ class PendingSave:
         if skipped:
             self._done.set()
 
-    # -- set by the Checkpointer's background thread -------------------------------------
-    def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
+    # -- the background side -------------------------------------------------------------
+    def settle(self, result: SaveResult | None, error: BaseException | None) -> None:
+        """Record the outcome (once): the result when committed, else the failure."""
+        if self._done.is_set():
+            raise RuntimeError(f"step {self.step}: the save's outcome was already recorded")
         self._result, self._error = result, error
         self._done.set()
 
-    # -- user side -----------------------------------------------------------------------
+    # -- the reader's side ---------------------------------------------------------------
     def done(self) -> bool:
         return self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the save has committed or failed, without raising; False on timeout."""
+        return self._done.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """The SaveResult once committed (None for a skipped save); raises the failure."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"step {self.step}: the save is still persisting after {timeout} s")
-        if self._error is not None and not self._error_seen:
-            self._error_seen = True
-            raise self._error
         if self._error is not None:
+            self._error_seen = True
             raise self._error
         return self._result
 
@@ -59,12 +68,22 @@ class PendingSave:
         return self.wait()
 
     @property
+    def committed(self) -> SaveResult | None:
+        """The SaveResult when the save is done and committed, else None (never raises)."""
+        return self._result if self._done.is_set() else None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure once the save is done (None while persisting or when committed)."""
+        return self._error if self._done.is_set() else None
+
+    @property
     def failed(self) -> bool:
         return self._done.is_set() and self._error is not None
 
-    def _take_unseen_error(self) -> BaseException | None:
-        """The failure if nobody has seen it yet (marks it seen)."""
-        if self._error is not None and not self._error_seen:
+    def take_unseen_error(self) -> BaseException | None:
+        """The failure if nobody has seen it yet, and marks it seen; else None."""
+        if self._done.is_set() and self._error is not None and not self._error_seen:
             self._error_seen = True
             return self._error
         return None

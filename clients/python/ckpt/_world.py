@@ -6,13 +6,17 @@ RANK / WORLD_SIZE environment (torchrun sets them), else 1 process.
 The attempt names one launch of the job (a torchelastic restart is a new attempt); the
 coordinator maps it to a generation, so a rank of an earlier attempt is fenced. It is,
 in order: the user's `attempt=`, $CKPT_ATTEMPT, torchelastic's run id + restart count,
-or, for one process, a fresh random id (every process is its own attempt).
+or, for one process, a fresh random id (every Checkpointer of one process is its own
+attempt). PROCESS_ATTEMPT names this process for the integrations, whose connections
+outlive one save and must not fence each other.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+
+PROCESS_ATTEMPT = f"process-{uuid.uuid4()}"
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -12,21 +12,17 @@ per block, fsync, index, cold re-read with verify="full") wherever the bytes are
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ckpt._protocol import commit_for_ranks
 from ckpt._transport import CoordinatorClient
 from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
-from ckptd.errors import CkptError, SaveAborted
 from ckptd.format.manifest import ShardInfo
 from ckptd.format.writer import ShardWriter, WriteItem, plan_offsets
 from ckptd.storage import open_storage
-
-log = logging.getLogger("ckpt")
 
 
 def job_path(path: str | os.PathLike[str]) -> str:
@@ -81,56 +77,15 @@ def commit(
     keep_last: int | None,
     timeout_s: float,
 ) -> None:
-    """ckptd's commit protocol on behalf of every rank: BeginSave, ReportShard, AwaitCommit."""
-    where = f"job {target.job!r} step {target.step}"
-
-    def ref(r: int) -> SaveRef:
-        return SaveRef(target.job, target.step, target.generation, r, target.world_size)
-
-    def begin(r: int) -> list[int]:
-        begun = client.begin_save(
-            ref(r),
-            chunks[r],
-            state=tree,
-            metadata=metadata,
-            allow_divergent=False,
-            keep_last=keep_last or 0,
-            timeout_s=timeout_s,
-        )
-        return begun.write
-
-    def report(r: int) -> str:
-        s = shards[r]
-        rep = ShardReport.of(s, target.verify)
-        return client.report_shard(ref(r), rep).status
-
-    ranks = list(range(target.world_size))
-    try:
-        # Every rank's BeginSave waits at the coordinator's barrier for the others.
-        with ThreadPoolExecutor(len(ranks)) as pool:
-            writes = list(pool.map(begin, ranks))
-            for r, w in zip(ranks, writes, strict=True):
-                if w != list(range(len(chunks[r]))):
-                    raise SaveAborted(
-                        f"{where} rank {r}: the coordinator assigned chunks {w[:8]} of "
-                        f"{len(chunks[r])}; the shards already hold every chunk once, so each must be "
-                        "kept (did two ranks write the same chunk?)"
-                    )
-            statuses = list(pool.map(report, ranks))
-        status = client.await_commit(ref(0), timeout_s)
-    except BaseException as e:
-        abort_quietly(client, ref(0), f"{type(e).__name__}: {e}")
-        raise
-    if status.status != "COMMITTED":
-        raise SaveAborted(
-            f"{where}: the save was not committed ({status.status}; reports "
-            f"{sorted(set(statuses))}): {status.reason}. Nothing was committed; the previous "
-            "step is untouched"
-        )
-
-
-def abort_quietly(client: CoordinatorClient, ref: SaveRef, reason: str) -> None:
-    try:
-        client.abort_save(ref, reason)
-    except CkptError as e:
-        log.warning("job %s step %d: could not abort the save: %s", ref.job, ref.step, e)
+    """ckptd's commit protocol on behalf of every rank (ckpt._protocol.commit_for_ranks)."""
+    ranks = range(target.world_size)
+    commit_for_ranks(
+        client,
+        [SaveRef(target.job, target.step, target.generation, r, target.world_size) for r in ranks],
+        [chunks[r] for r in ranks],
+        [ShardReport.of(shards[r], target.verify) for r in ranks],
+        state=tree,
+        metadata=metadata,
+        keep_last=keep_last,
+        timeout_s=timeout_s,
+    )

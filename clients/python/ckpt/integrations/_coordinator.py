@@ -13,13 +13,10 @@ import atexit
 import dataclasses
 import os
 import threading
-import uuid
 
 from ckpt import _world
 from ckpt._embedded import EmbeddedCoordinator
 from ckpt._transport import CoordinatorClient
-
-_PROCESS_ATTEMPT = f"process-{uuid.uuid4()}"
 
 
 @dataclasses.dataclass
@@ -45,7 +42,7 @@ def connect(
     global _at_exit
     address = address or os.environ.get("CKPTD_ADDRESS")
     token = token if token is not None else os.environ.get("CKPTD_TOKEN")
-    attempt = _world.attempt_id(attempt, 2) or _PROCESS_ATTEMPT
+    attempt = _world.attempt_id(attempt, 2) or _world.PROCESS_ATTEMPT
     key = (path, address, token, attempt)
     with _lock:
         conn = _connections.get(key)

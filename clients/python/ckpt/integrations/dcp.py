@@ -65,8 +65,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckpt import _world
-from ckpt._api import _check_metadata
 from ckpt._flatten import readable_in_place, tensor_bytes
+from ckpt._results import check_metadata
 from ckpt.integrations import _commit, _coordinator
 from ckpt.integrations import _dcp_manifest as dm
 from ckpt.integrations._plain import from_node, to_node
@@ -131,7 +131,7 @@ class StorageWriter(_DCPWriter):
         self.path = _commit.job_path(path)
         self.step = layout.check_step(step)
         self.verify, self.keep_last = verify, keep_last
-        self.metadata = _check_metadata(metadata)
+        self.metadata = check_metadata(metadata)
         if dm.SECTION in self.metadata:
             raise ValueError(f"metadata key {dm.SECTION!r} is reserved for DCP's own description")
         self.coordinator, self.token, self.attempt = coordinator, token, attempt

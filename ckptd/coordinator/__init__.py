@@ -1,0 +1,1 @@
+"""The coordinator core: save sessions, the commit state machine, the catalog (no gRPC)."""
