@@ -31,6 +31,7 @@ from ckptd.coordinator.catalog import Catalog
 from ckptd.coordinator.core import BeginResult, Coordinator, SaveRef, ShardReport, StatusResult
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.format.writer import WriteItem, hash_items, write_shard
+from ckptd.server.client import CoordinatorClient
 from ckptd.storage import open_storage
 
 REPO = Path(__file__).resolve().parent.parent
@@ -434,9 +435,7 @@ class Serve:
             self.kill()
             return None
 
-    def client(self) -> Any:
-        from ckpt._transport import CoordinatorClient
-
+    def client(self) -> CoordinatorClient:
         return CoordinatorClient(self.address, token=self.token, retry_for_s=5, call_timeout_s=10)
 
 

@@ -33,7 +33,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import ckpt
-from ckpt._transport import CoordinatorClient
 from ckptd.coordinator.core import SaveRef
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.errors import (
@@ -50,6 +49,7 @@ from ckptd.errors import (
 from ckptd.format import layout
 from ckptd.server import ServerOptions
 from ckptd.server.app import SERVICE_NAME
+from ckptd.server.client import CoordinatorClient
 from ckptd.storage.base import Storage, WriteHandle
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
@@ -185,7 +185,7 @@ def test_checkpointer_over_grpc_and_catalog_queries(server: ServerThread, root: 
     c = client(server)
     try:
         infos = c.list_checkpoints(job)
-        assert [(i.step, pb.Status.Name(i.status), i.generation, i.world_size) for i in infos] == [
+        assert [(i.step, i.status, i.generation, i.world_size) for i in infos] == [
             (10, "COMMITTED", 0, 1),
             (20, "COMMITTED", 0, 1),
         ]
@@ -516,7 +516,7 @@ def test_graceful_stop(root: Path) -> None:
     try:
         c2 = client(s2)
         try:
-            infos = {i.step: pb.Status.Name(i.status) for i in c2.list_checkpoints(job)}
+            infos = {i.step: i.status for i in c2.list_checkpoints(job)}
         finally:
             c2.close()
     finally:

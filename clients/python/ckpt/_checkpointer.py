@@ -37,7 +37,6 @@ from ckpt._pending import PendingSave
 from ckpt._restore import load_checkpoint
 from ckpt._staging import HostImage, stage
 from ckpt._tiers import load_tiered
-from ckpt._transport import CoordinatorClient
 from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
@@ -52,6 +51,7 @@ from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout
 from ckptd.format.writer import ShardWriter, ShardWriteStats, WriteItem, hash_items, plan_offsets
+from ckptd.server.client import CoordinatorClient
 from ckptd.storage import Storage, open_storage
 
 log = logging.getLogger("ckpt")

@@ -17,13 +17,13 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckpt._transport import CoordinatorClient
 from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.errors import CkptError, SaveAborted
 from ckptd.format.manifest import ShardInfo
 from ckptd.format.writer import ShardWriter, WriteItem, plan_offsets
+from ckptd.server.client import CoordinatorClient
 from ckptd.storage import open_storage
 
 log = logging.getLogger("ckpt")

@@ -17,7 +17,7 @@ import uuid
 
 from ckpt import _world
 from ckpt._embedded import EmbeddedCoordinator
-from ckpt._transport import CoordinatorClient
+from ckptd.server.client import CoordinatorClient
 
 _PROCESS_ATTEMPT = f"process-{uuid.uuid4()}"
 
