@@ -291,6 +291,7 @@ class ServerThread:
         lease_s: float = 60.0,
         barrier_timeout_s: float = 600.0,
         host: str = "127.0.0.1",
+        **core_kw: Any,  # more Coordinator arguments (storage_factory: a faulty storage)
     ):
         from ckptd.server import create_server
 
@@ -298,7 +299,9 @@ class ServerThread:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self.core = new_core(self.root, lease_s=lease_s, barrier_timeout_s=barrier_timeout_s)
+        self.core = new_core(
+            self.root, lease_s=lease_s, barrier_timeout_s=barrier_timeout_s, **core_kw
+        )
 
         async def start() -> tuple[Any, int]:
             await self.core.start()

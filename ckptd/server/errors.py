@@ -93,9 +93,9 @@ FROM_CODE: dict[grpc.StatusCode, type[E.CkptError]] = {
 # training host and must learn that the coordinator's disk, not the network, is at fault.
 _ADVICE = {
     errno_codes.ENOSPC: "the coordinator's filesystem is full: free space there or retire old "
-    "checkpoints (ckptctl gc, keep_last=), then retry",
+    "checkpoints (ckptctl gc, or keep_last= on the Checkpointer), then retry",
     errno_codes.EDQUOT: "the coordinator's user is over its disk quota: raise the quota or "
-    "retire old checkpoints (ckptctl gc, keep_last=), then retry",
+    "retire old checkpoints (ckptctl gc, or keep_last= on the Checkpointer), then retry",
     errno_codes.EIO: "the coordinator's disk reported an I/O error: check the device and the "
     "kernel log on the coordinator's host before retrying",
     errno_codes.EROFS: "the coordinator's filesystem is read-only: remount it read-write, "
