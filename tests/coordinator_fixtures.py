@@ -31,6 +31,7 @@ from ckptd.coordinator.catalog import Catalog
 from ckptd.coordinator.core import BeginResult, Coordinator, SaveRef, ShardReport, StatusResult
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.format.writer import WriteItem, hash_items, write_shard
+from ckptd.server.client import CoordinatorClient
 from ckptd.storage import open_storage
 
 REPO = Path(__file__).resolve().parent.parent
@@ -290,6 +291,7 @@ class ServerThread:
         lease_s: float = 60.0,
         barrier_timeout_s: float = 600.0,
         host: str = "127.0.0.1",
+        **core_kw: Any,  # more Coordinator arguments (storage_factory: a faulty storage)
     ):
         from ckptd.server import create_server
 
@@ -297,7 +299,9 @@ class ServerThread:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self.core = new_core(self.root, lease_s=lease_s, barrier_timeout_s=barrier_timeout_s)
+        self.core = new_core(
+            self.root, lease_s=lease_s, barrier_timeout_s=barrier_timeout_s, **core_kw
+        )
 
         async def start() -> tuple[Any, int]:
             await self.core.start()
@@ -434,9 +438,7 @@ class Serve:
             self.kill()
             return None
 
-    def client(self) -> Any:
-        from ckpt._transport import CoordinatorClient
-
+    def client(self) -> CoordinatorClient:
         return CoordinatorClient(self.address, token=self.token, retry_for_s=5, call_timeout_s=10)
 
 

@@ -21,9 +21,9 @@ import torch
 from coordinator_fixtures import TOKEN, ServerThread, finished, make_certs
 
 import ckpt
-from ckpt._transport import CoordinatorClient
 from ckptd.errors import CoordinatorUnavailable, Unauthenticated, UnsafePath
 from ckptd.server import ServerOptions
+from ckptd.server.client import CoordinatorClient
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -33,7 +33,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import ckpt
-from ckpt._transport import CoordinatorClient
 from ckptd.coordinator.core import SaveRef
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.errors import (
@@ -50,6 +49,7 @@ from ckptd.errors import (
 from ckptd.format import layout
 from ckptd.server import ServerOptions
 from ckptd.server.app import SERVICE_NAME
+from ckptd.server.client import CoordinatorClient
 from ckptd.storage.base import Storage, WriteHandle
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
@@ -185,7 +185,7 @@ def test_checkpointer_over_grpc_and_catalog_queries(server: ServerThread, root: 
     c = client(server)
     try:
         infos = c.list_checkpoints(job)
-        assert [(i.step, pb.Status.Name(i.status), i.generation, i.world_size) for i in infos] == [
+        assert [(i.step, i.status, i.generation, i.world_size) for i in infos] == [
             (10, "COMMITTED", 0, 1),
             (20, "COMMITTED", 0, 1),
         ]
@@ -462,6 +462,63 @@ def test_mutual_tls(certs: dict[str, bytes], root: Path) -> None:
         s.stop()
 
 
+def test_ckptctl_commands_reach_a_tls_coordinator(
+    certs: dict[str, bytes], root: Path, tmp_path: Path
+) -> None:
+    """list --coordinator and verify --coordinator take the same token and TLS options
+    (list used to build a plain channel and could not reach a TLS coordinator at all)."""
+    pem = tmp_path / "pem"
+    pem.mkdir()
+    for name, data in certs.items():
+        (pem / name).write_bytes(data)
+    s = ServerThread(
+        root,
+        options=ServerOptions(
+            token=TOKEN,
+            tls_cert=certs["server.pem"],
+            tls_key=certs["server.key"],
+            tls_client_ca=certs["ca.pem"],
+        ),
+    )
+    try:
+        job = str(root / "job")
+        with ckpt.Checkpointer(
+            job,
+            coordinator=s.address,
+            token=TOKEN,
+            attempt="a",
+            tls_root_cert=certs["ca.pem"],
+            tls_client_cert=(certs["client.key"], certs["client.pem"]),
+        ) as cp:
+            finished(cp.save({"w": torch.ones(3)}, 1))
+        tls = [
+            "--coordinator",
+            s.address,
+            "--token",
+            TOKEN,
+            "--tls-root-cert",
+            str(pem / "ca.pem"),
+            "--tls-client-cert",
+            str(pem / "client.pem"),
+            "--tls-client-key",
+            str(pem / "client.key"),
+        ]
+        rc, out, err = ckptctl("list", job, *tls, "--json")
+        assert rc == 0, err
+        doc = json.loads(out)
+        assert doc["coordinator"] == s.address
+        assert [(x["step"], x["status"]) for x in doc["steps"]] == [(1, "COMMITTED")]
+        rc, out, err = ckptctl("verify", job, *tls, "--json")
+        assert rc == 0, err
+        assert json.loads(out)["steps"][0]["problems"] == []
+        # A key without its certificate is a usage error, on every coordinator command.
+        for command in ("list", "verify"):
+            rc, _, err = ckptctl(command, job, *tls[:-2], "--json")
+            assert rc == 2 and "--tls-client-key" in err, (command, err)
+    finally:
+        s.stop()
+
+
 # ----------------------------------------------------------------------------- stopping
 
 
@@ -516,7 +573,7 @@ def test_graceful_stop(root: Path) -> None:
     try:
         c2 = client(s2)
         try:
-            infos = {i.step: pb.Status.Name(i.status) for i in c2.list_checkpoints(job)}
+            infos = {i.step: i.status for i in c2.list_checkpoints(job)}
         finally:
             c2.close()
     finally:

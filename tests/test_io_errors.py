@@ -78,11 +78,9 @@ class Saver:
         """The coordinator's word on `step` (the client path has no coordinator)."""
         if self.cp is None:
             return "no coordinator"
-        from ckptd.server.converters import STATUS_FROM_PB
-
         for c in self.cp.client.list_checkpoints(self.cp.path):
             if c.step == step:
-                return STATUS_FROM_PB.get(c.status, "?")
+                return c.status
         return "absent"
 
     def close(self) -> None:

@@ -17,9 +17,9 @@ from coordinator_fixtures import TOKEN, RankSim, ServerThread, finished, serving
 from prometheus_client.parser import text_string_to_metric_families
 
 import ckpt
-from ckpt._transport import CoordinatorClient
 from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.server import ServerOptions
+from ckptd.server.client import CoordinatorClient
 from ckptd.server.metrics import Metrics, MetricsServer
 
 pytestmark = pytest.mark.timeout(90)

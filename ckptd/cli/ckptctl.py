@@ -18,9 +18,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ckptd.errors import CkptError
+from ckptd.errors import CheckpointNotFound, CkptError
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout, recycle, values
+from ckptd.server.client import CoordinatorClient
 from ckptd.storage import Storage, open_storage
 
 OK, PROBLEM, USAGE = 0, 1, 2
@@ -145,19 +146,15 @@ def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
 
 def cmd_list_coordinator(args: argparse.Namespace) -> int:
     """Steps as the coordinator's catalog sees them, aborted and open saves included."""
-    from ckpt._transport import CoordinatorClient
-
-    client = CoordinatorClient(args.coordinator, token=args.token or os.environ.get("CKPTD_TOKEN"))
+    client = coordinator_client(args)
     try:
         infos = client.list_checkpoints(args.path)
     finally:
         client.close()
-    from ckptd.v1 import coordinator_pb2 as pb
-
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "step": i.step,
-            "status": pb.Status.Name(i.status),
+            "status": i.status,
             "generation": i.generation,
             "world_size": i.world_size,
             "bytes": i.bytes,
@@ -332,20 +329,11 @@ class _CatalogDigests:
     """verify --coordinator: each step's manifest digest as the catalog recorded it."""
 
     def __init__(self, args: argparse.Namespace):
-        from ckpt._transport import CoordinatorClient
-
         self.address, self.path = args.coordinator, args.path
-        self.client = CoordinatorClient(
-            args.coordinator,
-            token=args.token or os.environ.get("CKPTD_TOKEN"),
-            root_certificates=_read_file(args.tls_root_cert),
-            retry_for_s=10,
-        )
+        self.client = coordinator_client(args)
 
     def digest(self, step: int) -> tuple[str | None, str | None]:
         """(digest to check, or None; a problem to report when the catalog has none)."""
-        from ckptd.errors import CheckpointNotFound
-
         try:
             info = self.client.get_checkpoint(self.path, step)
         except CheckpointNotFound:
@@ -354,11 +342,9 @@ class _CatalogDigests:
                 "committed through it (if the catalog was lost: ckptd rebuild-catalog)"
             )
         if not info.manifest_blake3:
-            from ckptd.v1 import coordinator_pb2 as pb
-
             return None, (
                 f"step {step} has a manifest in storage but the catalog of {self.address} "
-                f"says {pb.Status.Name(info.status)} ({info.reason or 'no commit recorded'})"
+                f"says {info.status} ({info.reason or 'no commit recorded'})"
             )
         return info.manifest_blake3, None
 
@@ -366,11 +352,45 @@ class _CatalogDigests:
         self.client.close()
 
 
+def add_coordinator_options(sp: argparse.ArgumentParser, what: str) -> None:
+    """--coordinator and the connection options, the same on every command that asks one."""
+    sp.add_argument("--coordinator", metavar="ADDR", help=what)
+    sp.add_argument("--token", help="coordinator token (default $CKPTD_TOKEN)")
+    sp.add_argument("--tls-root-cert", metavar="PEM", help="CA of a TLS coordinator")
+    sp.add_argument(
+        "--tls-client-cert",
+        metavar="PEM",
+        help="client certificate, for a coordinator that requires mutual TLS (with --tls-client-key)",
+    )
+    sp.add_argument("--tls-client-key", metavar="PEM", help="the client certificate's key")
+
+
+def coordinator_client(args: argparse.Namespace) -> CoordinatorClient:
+    """The client of `args.coordinator`, from the options add_coordinator_options added.
+
+    A person waits at the terminal: a coordinator that is down is reported within about
+    ten seconds, not after the training client's minute of retries.
+    """
+    if bool(args.tls_client_cert) != bool(args.tls_client_key):
+        raise UsageError("--tls-client-cert and --tls-client-key go together (mutual TLS)")
+    key, cert = _read_file(args.tls_client_key), _read_file(args.tls_client_cert)
+    return CoordinatorClient(
+        args.coordinator,
+        token=args.token or os.environ.get("CKPTD_TOKEN"),
+        root_certificates=_read_file(args.tls_root_cert),
+        client_cert=(key, cert) if key is not None and cert is not None else None,
+        retry_for_s=10,
+    )
+
+
 def _read_file(path: str | None) -> bytes | None:
     if path is None:
         return None
-    with open(path, "rb") as f:
-        return f.read()
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
 
 
 def _no_checkpoint(storage: Storage, args: argparse.Namespace, why: str | None = None) -> int:
@@ -660,12 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     sp = add("list", "list the steps of a job and their status")
-    sp.add_argument(
-        "--coordinator",
-        metavar="ADDR",
-        help="ask a running coordinator (shows OPEN and ABORTED saves too)",
-    )
-    sp.add_argument("--token", help="coordinator token (default $CKPTD_TOKEN)")
+    add_coordinator_options(sp, "ask a running coordinator (shows OPEN and ABORTED saves too)")
     sp.add_argument(
         "--mirror",
         metavar="URL",
@@ -684,14 +699,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="size: presence and sizes; full: re-read and hash every byte (default)",
     )
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
-    sp.add_argument(
-        "--coordinator",
-        metavar="ADDR",
-        help="also check each manifest against the blake3 the coordinator's catalog recorded "
+    add_coordinator_options(
+        sp,
+        "also check each manifest against the blake3 the coordinator's catalog recorded "
         "at commit (detects a consistent rewrite of shards, indexes and manifest)",
     )
-    sp.add_argument("--token", help="coordinator token (default $CKPTD_TOKEN)")
-    sp.add_argument("--tls-root-cert", metavar="PEM", help="CA of a TLS coordinator")
     sp = add("gc", "remove debris of unfinished saves and, optionally, old steps")
     sp.add_argument("--keep-last", type=int, help="also remove committed steps beyond the newest N")
     sp.add_argument(

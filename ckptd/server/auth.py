@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from ckptd.errors import Unauthenticated
+from ckptd.server import errors
 
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -50,9 +51,11 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 
 def _deny(why: str) -> grpc.RpcMethodHandler:
     async def abort(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            f"{why}: pass the coordinator's token (CKPTD_TOKEN or token=...) with every call",
+        await errors.abort(
+            context,
+            Unauthenticated(
+                f"{why}: pass the coordinator's token (CKPTD_TOKEN or token=...) with every call"
+            ),
         )
 
     return grpc.unary_unary_rpc_method_handler(abort)

@@ -142,3 +142,35 @@ def report_to_pb(ref: pb.SaveRef, r: core.ShardReport) -> pb.ReportShardRequest:
         write_s=r.write_s,
         verify_s=r.verify_s,
     )
+
+
+def record_from_pb(i: pb.CheckpointInfo) -> SaveRecord:
+    return SaveRecord(
+        job=i.job,
+        step=i.step,
+        generation=i.generation,
+        world_size=i.world_size,
+        status=STATUS_FROM_PB.get(i.status, "UNSPECIFIED"),
+        reason=i.reason,
+        bytes=i.bytes,
+        created_unix=i.created_unix,
+        committed_unix=i.committed_unix,
+        manifest_blake3=i.manifest_blake3,
+    )
+
+
+def begin_to_pb(r: core.BeginResult) -> pb.BeginSaveResponse:
+    return pb.BeginSaveResponse(
+        shard_path=r.shard_path,
+        index_path=r.index_path,
+        write=r.write,
+        lease_ms=int(r.lease_s * 1000),
+        warnings=r.warnings,
+        complete=r.complete,
+    )
+
+
+def begin_from_pb(r: pb.BeginSaveResponse) -> core.BeginResult:
+    return core.BeginResult(
+        r.shard_path, r.index_path, list(r.write), r.lease_ms / 1000, list(r.warnings), r.complete
+    )

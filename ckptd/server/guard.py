@@ -21,6 +21,9 @@ from typing import Any
 
 import grpc
 
+from ckptd.errors import InvalidRequest
+from ckptd.server import errors
+
 
 class _Undecodable:
     def __init__(self, why: str):
@@ -54,20 +57,27 @@ class CallGuard(grpc.aio.ServerInterceptor):
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, _Undecodable):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{method}: the request is not a valid protobuf message for this method "
-                    f"({request.why}); check that the client and the coordinator run the "
-                    "same ckptd version",
+                await errors.abort(
+                    context,
+                    InvalidRequest(
+                        f"{method}: the request is not a valid protobuf message for this "
+                        f"method ({request.why}); check that the client and the coordinator "
+                        "run the same ckptd version"
+                    ),
                 )
             peer = context.peer()
             n = self.active[peer]
             if n >= self.max_calls:
-                await context.abort(
+                # RESOURCE_EXHAUSTED, gRPC's word for "over a limit"; the class says why.
+                await errors.abort(
+                    context,
+                    InvalidRequest(
+                        f"{method}: client {peer} already has {n} calls in flight, the limit "
+                        f"per client connection is {self.max_calls}; wait for answers before "
+                        "sending more calls (a rank needs a few), or raise "
+                        "--max-calls-per-client"
+                    ),
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{method}: client {peer} already has {n} calls in flight, the limit per "
-                    f"client connection is {self.max_calls}; wait for answers before sending "
-                    "more calls (a rank needs a few), or raise --max-calls-per-client",
                 )
             self.active[peer] = n + 1
             try:

@@ -10,9 +10,9 @@ from typing import Any, TypeVar
 import grpc
 
 from ckptd.coordinator.core import Coordinator
-from ckptd.errors import CkptError
+from ckptd.errors import CkptError, StorageError
 from ckptd.server import converters as cv
-from ckptd.server.errors import code_for
+from ckptd.server import errors
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -21,14 +21,17 @@ R = TypeVar("R")
 
 
 def _translated(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
-    """Map ckptd errors to status codes; anything unexpected is INTERNAL and logged."""
+    """Send ckptd errors through the error map (code and class); a failed I/O call is
+    logged too (the operator must fix the disk); anything else is INTERNAL and logged."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
         try:
             return await fn(self, request, context)
-        except (CkptError, ValueError) as e:
-            await context.abort(code_for(e), str(e))
+        except (CkptError, ValueError, OSError) as e:
+            if errors.kind_of(e) is StorageError:
+                log.warning("%s: storage failed: %s", fn.__name__, e)
+            await errors.abort(context, e)
         except grpc.aio.AbortError:
             raise
         except Exception as e:
@@ -56,7 +59,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def BeginSave(
         self, request: pb.BeginSaveRequest, context: grpc.aio.ServicerContext
     ) -> pb.BeginSaveResponse:
-        r = await self.core.begin_save(
+        begun = await self.core.begin_save(
             cv.ref_from_pb(request.ref),
             [cv.chunk_from_pb(c) for c in request.chunks],
             part=request.part,
@@ -67,14 +70,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             keep_last=request.keep_last,
             timeout_s=request.timeout_ms / 1000 if request.timeout_ms else None,
         )
-        return pb.BeginSaveResponse(
-            shard_path=r.shard_path,
-            index_path=r.index_path,
-            write=r.write,
-            lease_ms=int(r.lease_s * 1000),
-            warnings=r.warnings,
-            complete=r.complete,
-        )
+        return cv.begin_to_pb(begun)
 
     @_translated
     async def KeepAlive(

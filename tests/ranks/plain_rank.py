@@ -29,7 +29,7 @@ import traceback
 import torch
 
 import ckpt
-from ckpt._transport import CoordinatorClient
+from ckptd.server.client import CoordinatorClient
 
 
 def make_state(seed: int, rank: int, step: int) -> dict:

@@ -17,8 +17,8 @@ import uuid
 
 from ckpt import _world
 from ckpt._embedded import EmbeddedCoordinator
-from ckpt._transport import CoordinatorClient
 from ckptd.errors import CkptError
+from ckptd.server.client import CoordinatorClient
 
 
 @dataclasses.dataclass

@@ -16,12 +16,12 @@ import os
 from typing import Any
 
 from ckpt._protocol import commit_for_ranks
-from ckpt._transport import CoordinatorClient
 from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.format.manifest import ShardInfo
 from ckptd.format.writer import ShardWriter, WriteItem, plan_offsets
+from ckptd.server.client import CoordinatorClient
 from ckptd.storage import open_storage
 
 

@@ -16,7 +16,7 @@ import threading
 
 from ckpt import _world
 from ckpt._embedded import EmbeddedCoordinator
-from ckpt._transport import CoordinatorClient
+from ckptd.server.client import CoordinatorClient
 
 
 @dataclasses.dataclass

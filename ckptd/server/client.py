@@ -1,9 +1,14 @@
 """The gRPC client of the coordinator: deadlines, retries, errors that name the save.
 
+Used by the training-loop library (`ckpt`) and by `ckptctl`. Callers get the coordinator's
+own types (SaveRef, BeginResult, StatusResult, SaveRecord), never protobuf messages: the
+wire stays inside ckptd.server (converters.py).
+
 Synchronous on purpose: a training process has no event loop of its own to lend, and
 every call here is a short control message. UNAVAILABLE (coordinator restarting, network
 blip) is retried with exponential backoff until the call's overall deadline; every other
-failure becomes the matching ckptd error, prefixed with job, step and rank.
+failure becomes the ckptd error the server named in the call's metadata (errors.py),
+prefixed with job, step and rank.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from ckptd.coordinator.catalog import SaveRecord
 from ckptd.coordinator.core import BeginResult, SaveRef, ShardReport, StatusResult
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.errors import CkptError, CoordinatorUnavailable
@@ -86,7 +92,8 @@ class CoordinatorClient:
                         "the TLS settings match the server's (tls_root_cert for a TLS server, "
                         "a client certificate its CA signed for mutual TLS)"
                     ) from None
-                raise error_from(code, f"{what}: {details}") from None
+                trailers = e.trailing_metadata() if isinstance(e, grpc.Call) else None
+                raise error_from(code, f"{what}: {details}", trailers, where=self.address) from None
 
     # -- RPCs --------------------------------------------------------------------------
     def open_job(self, job: str, attempt: str) -> tuple[int, str]:
@@ -132,14 +139,7 @@ class CoordinatorClient:
         assert r is not None
         if not r.complete:
             raise CkptError(f"{what}: the coordinator did not accept the whole plan")
-        return BeginResult(
-            r.shard_path,
-            r.index_path,
-            list(r.write),
-            r.lease_ms / 1000,
-            list(r.warnings),
-            r.complete,
-        )
+        return cv.begin_from_pb(r)
 
     def keep_alive(self, ref: SaveRef) -> StatusResult:
         return cv.status_from_pb(
@@ -160,23 +160,26 @@ class CoordinatorClient:
         req = pb.AbortSaveRequest(ref=cv.ref_to_pb(ref), reason=reason[:2000])
         return cv.status_from_pb(self._call(_what(ref), self._stub.AbortSave, req, timeout_s=10))
 
-    def list_checkpoints(self, job: str) -> list[pb.CheckpointInfo]:
+    def list_checkpoints(self, job: str) -> list[SaveRecord]:
         r = self._call(
             f"job {job!r}", self._stub.ListCheckpoints, pb.ListCheckpointsRequest(job=job)
         )
-        return list(r.checkpoints)
+        return [cv.record_from_pb(i) for i in r.checkpoints]
 
-    def get_checkpoint(self, job: str, step: int | None = None) -> pb.CheckpointInfo:
+    def get_checkpoint(self, job: str, step: int | None = None) -> SaveRecord:
         req = (
             pb.GetCheckpointRequest(job=job, step=step)
             if step is not None
             else pb.GetCheckpointRequest(job=job, latest=True)
         )
-        return self._call(f"job {job!r}", self._stub.GetCheckpoint, req)
+        what = f"job {job!r}" + (f" step {step}" if step is not None else "")
+        return cv.record_from_pb(self._call(what, self._stub.GetCheckpoint, req))
 
-    def quarantine(self, job: str, step: int, reason: str) -> pb.CheckpointInfo:
+    def quarantine(self, job: str, step: int, reason: str) -> SaveRecord:
         req = pb.QuarantineRequest(job=job, step=step, reason=reason[:4000])
-        return self._call(f"job {job!r} step {step}", self._stub.Quarantine, req, timeout_s=30)
+        return cv.record_from_pb(
+            self._call(f"job {job!r} step {step}", self._stub.Quarantine, req, timeout_s=30)
+        )
 
     def record_tier(
         self, job: str, step: int, tier: str, url: str, status: str, reason: str = ""

@@ -1,0 +1,59 @@
+"""The one-process save goes through the coordinator like the saves of many ranks.
+
+On main before the change, `ckpt.save(state, job, step=...)` wrote its own manifest and
+recorded nothing in the catalog, so a Checkpointer opened on the same job afterwards
+warned that the step was "not in the coordinator's catalog; loading it on storage's word
+alone": two documented calls that disagreed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import ckpt
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_module_level_save_is_in_the_catalog_a_checkpointer_reads(tmp_path, caplog):
+    job = str(tmp_path / "job")
+    ckpt.save({"w": torch.arange(6.0)}, job, step=2)
+    target = {"w": torch.zeros(6)}
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        with ckpt.Checkpointer(job) as cp:
+            res = cp.load(target)
+            records = cp.client.list_checkpoints(cp.path)
+    assert res.step == 2 and torch.equal(target["w"], torch.arange(6.0))
+    assert [(r.step, r.status) for r in records] == [(2, "COMMITTED")]
+    assert _warnings(caplog) == []
+
+
+def test_module_level_saves_and_a_checkpointer_share_one_catalog(tmp_path, caplog):
+    """Saves by either call are listed, retained and resumed alike, with no drift warning."""
+    job = str(tmp_path / "job")
+    ckpt.save({"w": torch.full((3,), 1.0)}, job, step=1)
+    with ckpt.Checkpointer(job, keep_last=2) as cp:
+        cp.save({"w": torch.full((3,), 2.0)}, 2, blocking=True)
+    ckpt.save({"w": torch.full((3,), 3.0)}, job, step=3, keep_last=2)  # retires step 1
+    state = {"w": torch.zeros(3)}
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        with ckpt.Checkpointer(job) as cp:
+            assert cp.resume(state) == 3
+            committed = [r.step for r in cp.client.list_checkpoints(cp.path)]
+    assert committed == [2, 3]
+    assert torch.equal(state["w"], torch.full((3,), 3.0))
+    assert _warnings(caplog) == []
+
+
+def test_a_failed_module_level_save_can_be_retried_at_the_same_step(tmp_path):
+    job = str(tmp_path / "job")
+    ckpt.save({"w": torch.ones(2)}, job, step=1)
+    with pytest.raises(ckpt.UnsupportedValue, match="bad"):
+        ckpt.save({"w": torch.ones(2), "bad": object()}, job, step=2)
+    ckpt.save({"w": torch.full((2,), 2.0)}, job, step=2)
+    assert ckpt.load({}, job).step == 2
