@@ -24,7 +24,7 @@ from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout, recycle
 from ckptd.format.manifest import Manifest
 from ckptd.format.writer import ShardWriteStats, write_shard
-from ckptd.storage import Storage, open_storage
+from ckptd.storage import JobLocation, Storage, open_storage
 
 if TYPE_CHECKING:
     from ckpt._pending import PendingSave
@@ -254,12 +254,10 @@ def _checkpointer_for(path: PathLike, *, keep_last: int | None, verify: str) -> 
     from ckpt._checkpointer import Checkpointer
 
     d = _default.current()
-    p = os.fspath(path)
-    if "://" not in p:
-        p = os.path.realpath(os.path.abspath(p))
+    p = JobLocation.of(path).path
     if d is not None and not d._closed and d.path == p:
         return d  # the job's default Checkpointer: one coordinator per job and process
-    k = (os.path.realpath(os.fspath(path)), keep_last, verify)
+    k = (p, keep_last, verify)
     cp = _checkpointers.get(k)
     if cp is None:
         if not _checkpointers:

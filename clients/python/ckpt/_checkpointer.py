@@ -52,7 +52,7 @@ from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout
 from ckptd.format.writer import ShardWriter, ShardWriteStats, WriteItem, hash_items, plan_offsets
-from ckptd.storage import Storage, open_storage
+from ckptd.storage import JobLocation, Storage, open_storage
 
 log = logging.getLogger("ckpt")
 
@@ -111,8 +111,7 @@ class Checkpointer:
             raise ValueError(f"mirror_keep_last must be at least 1, got {mirror_keep_last}")
         if save_on_preemption:
             _hooks.check_main_thread()  # before anything is started that would need closing
-        p = os.fspath(path)
-        self.path = p if "://" in p else os.path.realpath(os.path.abspath(p))
+        self.path = JobLocation.of(path).path
         self.keep_last = keep_last
         self.verify = verify
         self.allow_divergent = allow_divergent_replicas

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,11 +26,6 @@ from ckptd.format.writer import ShardWriter, WriteItem, plan_offsets
 from ckptd.storage import open_storage
 
 log = logging.getLogger("ckpt")
-
-
-def job_path(path: str | os.PathLike[str]) -> str:
-    p = os.fspath(path)
-    return p if "://" in p else os.path.realpath(os.path.abspath(p))
 
 
 @dataclasses.dataclass(frozen=True)
