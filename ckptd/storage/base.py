@@ -111,7 +111,8 @@ class Storage(abc.ABC):
 
         before_publish: called once, at the last moment before `path` becomes visible
         (after its bytes are durable in a temporary file where the backend writes one,
-        else just before the write); the committing caller's crash point lives there.
+        else just before the write; where the store refuses atomically, also before a
+        write it then refuses); the committing caller's crash point lives there.
 
         This default checks, then writes: two writers racing between the check and the
         write can both succeed (the later replaces the earlier). Backends whose store

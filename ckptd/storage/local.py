@@ -454,8 +454,9 @@ class LocalStorage(Storage):
         return LocalReadHandle(self, path, self.full(path), cold)
 
     def write_atomic(self, path: str, data: bytes) -> None:
+        full = self.full(path)
         try:
-            write_atomic(self.full(path), data)
+            write_atomic(full, data)
         except OSError as e:
             raise self.io_error("write", path, e) from e
 
@@ -465,8 +466,9 @@ class LocalStorage(Storage):
         # Check, then write (as the default): racy between two writers, see Storage.
         if self.exists(path):
             raise CheckpointExists(f"{self.url}/{path} already exists; it is never replaced")
+        full = self.full(path)
         try:
-            write_atomic(self.full(path), data, before_publish=before_publish)
+            write_atomic(full, data, before_publish=before_publish)
         except OSError as e:
             raise self.io_error("write", path, e) from e
 

@@ -90,7 +90,8 @@ def _is_url(path: str) -> bool:
 
 def _normalise(path: str) -> str:
     if _is_url(path):
-        return path.rstrip("/")
+        scheme, rest = path.split("://", 1)
+        return f"{scheme}://{rest.rstrip('/')}"  # memory://x/ -> memory://x; s3:// stays
     if path.startswith(_FILE):
         path = path[len(_FILE) :]
     return local_dir(path)
@@ -130,9 +131,11 @@ class JobLocation:
 
     @property
     def parent(self) -> str:
-        """The directory (or URL prefix) holding this one: the embedded coordinator's root."""
+        """The directory (or URL prefix) holding this one: the embedded coordinator's root
+        (memory://job's is memory://, s3://bucket/job's s3://bucket)."""
         if self.is_url:
-            return self.path.rsplit("/", 1)[0]
+            scheme, rest = self.path.split("://", 1)
+            return f"{scheme}://{rest.rsplit('/', 1)[0] if '/' in rest else ''}"
         return os.path.dirname(self.path)
 
     @property
@@ -140,18 +143,23 @@ class JobLocation:
         """The last component of the path."""
         return self.path.rsplit("/", 1)[-1]
 
+    def _prefix(self) -> str:
+        # What every path under this one starts with ("s3://" is already a prefix).
+        return self.path if self.path.endswith("/") else self.path + "/"
+
     # -- a root: the directory of jobs a coordinator serves -------------------------------
     def job_name(self, job: str) -> str:
         """`job` (absolute, relative to this root, or a URL under it) as a path relative
         to this root; refuses anything outside it or with an unsafe component."""
         if self.is_url:
-            rel = job[len(self.path) + 1 :] if job.startswith(self.path + "/") else job
+            prefix = self._prefix()
+            rel = job[len(prefix) :] if job.startswith(prefix) else job
             if "://" in rel:
                 raise UnsafePath(f"job {job!r} is outside the coordinator's root {self.path}")
         else:
             full = job if os.path.isabs(job) else os.path.join(self.path, job)
             full = os.path.normpath(full)
-            if full != self.path and not full.startswith(self.path + "/"):
+            if full != self.path and not full.startswith(self._prefix()):
                 raise UnsafePath(
                     f"job {job!r} is outside the coordinator's root {self.path}; "
                     "save under the root the coordinator serves"
@@ -164,10 +172,10 @@ class JobLocation:
     def job_dir(self, name: str) -> str:
         """The path of the job `name` (from `job_name`) under this root; refuses a local
         job directory that resolves, through a symlink, outside the root."""
-        path = f"{self.path}/{name}"
+        path = f"{self._prefix()}{name}"
         if not self.is_url:
             real = os.path.realpath(path)
-            if real != self.path and not real.startswith(self.path + "/"):
+            if real != self.path and not real.startswith(self._prefix()):
                 raise UnsafePath(
                     f"job {name!r} resolves through a symlink to {real}, outside {self.path}"
                 )
