@@ -269,3 +269,10 @@ class DelegatingStorage(Storage):
 
     def rename(self, src: str, dst: str) -> None:
         self.inner.rename(src, dst)
+
+    @property
+    def supports_reuse(self) -> bool:
+        return self.inner.supports_reuse
+
+    def local_path(self, path: str) -> str | None:
+        return self.inner.local_path(path)

@@ -7,6 +7,7 @@ Also a small conformance suite for the Storage seam, run against both backends
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import uuid
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import fsspec
 import numpy as np
 import pytest
 import torch
-from ckpt_testutil import assert_same
+from ckpt_testutil import DelegatingStorage, assert_same
 
 import ckpt
 from ckptd import knobs
@@ -171,11 +172,57 @@ def test_memory_corruption_detected(mem_job, ckptctl, case):
 
 
 class StorageContract:
-    """What every Storage promises (storage/base.py); subclasses supply `storage`."""
+    """What every Storage promises (storage/base.py); subclasses supply `storage`, and
+    the capabilities the backend has (`reuses`: open_write's reuse is honoured; `local`:
+    local_path names real files)."""
+
+    reuses: bool
+    local: bool
 
     @pytest.fixture
     def storage(self) -> Iterator[Storage]:
         raise NotImplementedError
+
+    def _write(self, storage: Storage, path: str, fill: int, reuse: str | None = None) -> None:
+        h = storage.open_write(path, 4096, reuse=reuse)
+        h.write(0, 4096, [(0, np.full(4096, fill, dtype=np.uint8))])
+        h.finish()
+
+    def test_supports_reuse_says_what_open_write_does(self, storage):
+        assert storage.supports_reuse is self.reuses
+        storage.makedirs("r")
+        self._write(storage, "r/old.bin", 1)
+        self._write(storage, "r/new.bin", 2, reuse="r/old.bin")
+        # Reused: the old file was renamed into place (and overwritten); else left alone.
+        assert storage.exists("r/old.bin") is not self.reuses
+        assert storage.read_bytes("r/new.bin", limit=4096) == bytes([2]) * 4096
+
+    def test_local_path_names_the_real_file_or_is_none(self, storage):
+        storage.makedirs("l")
+        storage.write_atomic("l/f.json", b"{}")
+        got = storage.local_path("l/f.json")
+        if self.local:
+            assert got is not None and os.path.isabs(got)
+            with open(got, "rb") as f:
+                assert f.read() == b"{}"
+        else:
+            assert got is None
+        with pytest.raises(ckpt.UnsafePath):
+            storage.local_path("../escape")
+
+    def test_create_only_calls_before_publish_once_before_the_file_is_visible(self, storage):
+        storage.makedirs("p")
+        seen: list[bool] = []
+        storage.create_only(
+            "p/MANIFEST.json",
+            b"m",
+            before_publish=lambda: seen.append(storage.exists("p/MANIFEST.json")),
+        )
+        assert seen == [False]
+        assert storage.read_bytes("p/MANIFEST.json", limit=10) == b"m"
+        with pytest.raises(ckpt.CheckpointExists):
+            storage.create_only("p/MANIFEST.json", b"n", before_publish=lambda: None)
+        assert storage.read_bytes("p/MANIFEST.json", limit=10) == b"m"
 
     def test_write_atomic_and_read_bytes(self, storage):
         storage.makedirs("a/b")
@@ -266,14 +313,45 @@ class StorageContract:
 
 
 class TestLocalStorage(StorageContract):
+    reuses, local = True, True
+
     @pytest.fixture
     def storage(self, tmp_path) -> Iterator[Storage]:
         yield open_storage(str(tmp_path / "root"), create=True)
 
 
 class TestFsspecMemoryStorage(StorageContract):
+    reuses, local = False, False
+
     @pytest.fixture
     def storage(self, mem_job) -> Iterator[Storage]:
         s = open_storage(mem_job)
         s.makedirs("")
         yield s
+
+
+class TestFsspecLocalStorage(StorageContract):
+    """fsspec's own local filesystem (FsspecStorage over file://): real files, no reuse."""
+
+    reuses, local = False, True
+
+    @pytest.fixture
+    def storage(self, tmp_path) -> Iterator[Storage]:
+        (tmp_path / "root").mkdir()
+        yield FsspecStorage(f"file://{tmp_path / 'root'}")
+
+
+class TestDelegatingLocalStorage(TestLocalStorage):
+    """The test suites' fault wrapper passes the capabilities on."""
+
+    @pytest.fixture
+    def storage(self, tmp_path) -> Iterator[Storage]:
+        yield DelegatingStorage(open_storage(str(tmp_path / "root"), create=True))
+
+
+class TestDelegatingMemoryStorage(TestFsspecMemoryStorage):
+    @pytest.fixture
+    def storage(self, mem_job) -> Iterator[Storage]:
+        s = open_storage(mem_job)
+        s.makedirs("")
+        yield DelegatingStorage(s)

@@ -31,6 +31,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class TestS3Storage(StorageContract):
+    reuses, local = False, False
+
     @pytest.fixture
     def storage(self, s3_bucket) -> Iterator[Storage]:
         yield open_storage(f"s3://{s3_bucket}/job")

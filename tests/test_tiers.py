@@ -31,13 +31,12 @@ from ckpt_testutil import assert_same
 from s3_server import s3_bucket, s3_server  # noqa: F401 - fixtures
 
 import ckpt
-from ckpt._embedded import catalog_path
 from ckpt._mirror import MirrorUploader
 from ckptd.coordinator import catalog as catalog_mod
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout
 from ckptd.format.mirror import mirror_step
-from ckptd.storage import open_storage
+from ckptd.storage import JobLocation, open_storage
 from ckptd.storage.fsspec_store import FsspecStorage
 
 MEM = fsspec.filesystem("memory")
@@ -69,7 +68,7 @@ def steps_of(url: str) -> list[int]:
 
 
 def tier_rows(job: str) -> list[tuple[int, str, str]]:
-    db = sqlite3.connect(catalog_path(job))
+    db = sqlite3.connect(JobLocation.of(job).catalog_path())
     try:
         return db.execute("SELECT step, tier, status FROM tiers ORDER BY step").fetchall()
     finally:
@@ -127,7 +126,7 @@ def test_corrupt_local_step_resumes_from_the_mirror(s3_bucket, job):
     assert local == {1: ckfmt.COMMITTED, 2: ckfmt.QUARANTINED}
     reason = ckfmt.quarantine_reason(open_storage(job), 2) or ""
     assert "rank-00000.bin" in reason and "model/w" in reason
-    db = sqlite3.connect(catalog_path(job))
+    db = sqlite3.connect(JobLocation.of(job).catalog_path())
     try:
         row = db.execute("SELECT status FROM saves WHERE step=2").fetchone()
     finally:

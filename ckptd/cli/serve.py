@@ -28,6 +28,7 @@ from ckptd.server import ServerOptions, create_server
 from ckptd.server.auth import load_token
 from ckptd.server.metrics import Metrics, MetricsServer
 from ckptd.storage.local import makedirs_durable
+from ckptd.storage.location import JobLocation
 
 log = logging.getLogger("ckptd")
 
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _catalog_path(args: argparse.Namespace) -> str:
-    return args.catalog or os.path.join(args.root, ".ckptd", "catalog.sqlite")
+    return args.catalog or JobLocation.of(args.root).catalog_beside
 
 
 async def serve(args: argparse.Namespace) -> int:

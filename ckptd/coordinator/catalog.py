@@ -23,29 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptd.errors import CkptError
-
-NETWORK_FS = frozenset(
-    {
-        "nfs",
-        "nfs4",
-        "lustre",
-        "cifs",
-        "smb3",
-        "smbfs",
-        "gpfs",
-        "beegfs",
-        "fuse.sshfs",
-        "9p",
-        "ceph",
-        "fuse.glusterfs",
-        "glusterfs",
-        "afs",
-        "panfs",
-        "fuse.juicefs",
-        "fuse.s3fs",
-        "fuse.gcsfuse",
-    }
-)
+from ckptd.storage.location import NETWORK_FS, filesystem_type
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -153,27 +131,6 @@ class SaveRecord:
     manifest_blake3: str = ""
     draft: str | None = None
     keep_last: int = 0
-
-
-def filesystem_type(path: str) -> str:
-    """The type of the filesystem holding `path`, from /proc/self/mountinfo ('' if unknown)."""
-    path = os.path.realpath(path)
-    best, fstype = "", ""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields = left.split()
-                if len(fields) < 5 or not right:
-                    continue
-                mount = fields[4].replace("\\040", " ")
-                if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(
-                    mount
-                ) >= len(best):
-                    best, fstype = mount, right.split()[0]
-    except OSError:
-        return ""
-    return fstype
 
 
 def check_local(path: str) -> None:

@@ -35,13 +35,12 @@ from ckptd.errors import (
     InvalidRequest,
     SaveAborted,
     StaleGeneration,
-    UnsafePath,
 )
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout, recycle, values
 from ckptd.format.manifest import Manifest, ShardInfo, load_json, parse_index
-from ckptd.storage import Storage, open_storage
+from ckptd.storage import JobLocation, Storage, open_storage
 
 log = logging.getLogger("ckptd.coordinator")
 
@@ -167,7 +166,8 @@ class Coordinator:
         barrier_timeout_s: float = 600.0,
         storage_factory: Callable[[str], Storage] | None = None,
     ):
-        self.root = root.rstrip("/") if "://" in root else os.path.realpath(os.path.abspath(root))
+        self.location = JobLocation.of(root)
+        self.root = self.location.path
         self.catalog = catalog
         self.lease_s = lease_s
         self.barrier_timeout_s = barrier_timeout_s
@@ -228,22 +228,7 @@ class Coordinator:
     def _job_name(self, job: str) -> str:
         if not isinstance(job, str) or not job or "\0" in job or len(job) > 4096:
             raise InvalidRequest(f"job path {job[:80]!r} is empty, too long or contains NUL")
-        if "://" in self.root:
-            rel = job[len(self.root) + 1 :] if job.startswith(self.root + "/") else job
-            if "://" in rel:
-                raise UnsafePath(f"job {job!r} is outside the coordinator's root {self.root}")
-        else:
-            full = job if os.path.isabs(job) else os.path.join(self.root, job)
-            full = os.path.normpath(full)
-            if full != self.root and not full.startswith(self.root + "/"):
-                raise UnsafePath(
-                    f"job {job!r} is outside the coordinator's root {self.root}; "
-                    "save under the root the coordinator serves"
-                )
-            rel = os.path.relpath(full, self.root)
-        for part in rel.split("/"):
-            layout.check_relative(part, what=f"job {job!r} component")
-        return rel
+        return self.location.job_name(job)
 
     def storage(self, job: str) -> Storage:
         s = self._storages.get(job)
@@ -252,14 +237,7 @@ class Coordinator:
         return s
 
     def _job_dir(self, job: str) -> str:
-        path = f"{self.root}/{job}"
-        if "://" not in self.root:
-            real = os.path.realpath(path)
-            if real != self.root and not real.startswith(self.root + "/"):
-                raise UnsafePath(
-                    f"job {job!r} resolves through a symlink to {real}, outside {self.root}"
-                )
-        return path
+        return self.location.job_dir(job)
 
     def _found_storage(self, job: str) -> Storage | None:
         """The storage of a job a scan of the root listed, to read; None once it is gone.
@@ -1116,7 +1094,7 @@ class Coordinator:
     def rebuild_from_storage(self) -> int:
         """Recreate catalog rows from the manifests under the root (promise 6)."""
         n = 0
-        for job in _find_jobs(self.root) if "://" not in self.root else []:
+        for job in _find_jobs(self.root) if not self.location.is_url else []:
             st = self._found_storage(job)
             if st is None:
                 continue  # removed since the walk listed it

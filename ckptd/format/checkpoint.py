@@ -32,6 +32,7 @@ from ckptd.errors import (
     ShardMissing,
     ShardSizeMismatch,
 )
+from ckptd.faults import crash_point
 from ckptd.format import hashing, layout, values
 from ckptd.format.manifest import (
     IndexEntry,
@@ -171,11 +172,17 @@ def read_manifest(storage: Storage, step: int, *, blake3: str | None = None) -> 
     together is still refused.
     """
     path = f"{layout.step_dir(step)}/{layout.MANIFEST_NAME}"
+    limit = knobs.get().max_manifest_bytes
     try:
-        data = storage.read_bytes(path, limit=knobs.get().max_manifest_bytes)
+        data = storage.read_bytes(path, limit=limit)
     except ShardMissing:
         raise CheckpointNotFound(
             f"{_where(storage, step)} has no committed checkpoint (no {layout.MANIFEST_NAME})"
+        ) from None
+    except InvalidManifest as e:
+        raise InvalidManifest(
+            f"{e}: a manifest over the {limit}-byte limit is not parsed (raise "
+            "CKPT_MAX_MANIFEST_BYTES if it is genuine)"
         ) from None
     if blake3 is not None and hashing.digest(data) != blake3:
         raise CorruptCheckpoint(
@@ -248,8 +255,15 @@ def open_checkpoint(
 def read_index(storage: Storage, m: Manifest, shard: ShardInfo, *, max_entries: int) -> ShardIndex:
     path = f"{layout.step_dir(m.step)}/{shard.index}"
     where = _where(storage, m.step, shard.index)
+    limit = knobs.get().max_index_bytes
+    if shard.index_size > limit:
+        raise InvalidManifest(
+            f"{where} (index of rank {shard.rank}) is {shard.index_size} bytes by the "
+            f"manifest, over the {limit}-byte limit: it is not parsed (raise "
+            "CKPT_MAX_INDEX_BYTES if it is genuine)"
+        )
     try:
-        data = storage.read_bytes(path, limit=min(shard.index_size, knobs.get().max_index_bytes))
+        data = storage.read_bytes(path, limit=shard.index_size)
     except ShardMissing:
         raise ShardMissing(
             f"{where} (index of rank {shard.rank}) is missing; step {m.step} is incomplete: "
@@ -320,7 +334,12 @@ def commit(storage: Storage, m: Manifest) -> bytes:
         )
     data = m.to_bytes()
     # Create-only: a manifest is never replaced (atomically so where the store offers it).
-    storage.create_only(f"{layout.step_dir(m.step)}/{layout.MANIFEST_NAME}", data)
+    # The crash point fires with the manifest's bytes durable but not yet visible.
+    storage.create_only(
+        f"{layout.step_dir(m.step)}/{layout.MANIFEST_NAME}",
+        data,
+        before_publish=lambda: crash_point("coordinator.mid_manifest"),
+    )
     return data
 
 

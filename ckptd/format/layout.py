@@ -5,25 +5,22 @@
     <job>/step-<step:012d>/shards/rank-<r:05d>.json
 
 Every path ckptd reads from a manifest or index is relative to the step directory and is
-checked by `check_relative` before use: no absolute paths, no `..`, no NUL, bounded
-length. Symlinks are refused by the storage layer (O_NOFOLLOW + realpath confinement).
+checked before use by the storage layer's own confinement rule
+(`ckptd.storage.paths.check_relative`: no absolute paths, no `..`, no NUL, bounded
+length); symlinks are refused by the storage layer too (O_NOFOLLOW + realpath).
 """
 
 from __future__ import annotations
 
 import re
 
-from ckptd.errors import UnsafePath
-
 MANIFEST_NAME = "MANIFEST.json"
 SHARDS_DIR = "shards"
 STEP_PREFIX = "step-"
 MAX_STEP = 10**12 - 1
 MAX_RANK = 10**5 - 1
-MAX_RELPATH = 1024
 
 _STEP_RE = re.compile(r"^step-(\d{12})$")
-_SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
 def step_dir(step: int) -> str:
@@ -66,20 +63,3 @@ def check_rank(rank: object) -> int:
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= MAX_RANK:
         raise ValueError(f"rank must be an integer in [0, {MAX_RANK}], got {rank!r}")
     return rank
-
-
-def check_relative(path: object, *, what: str = "path") -> str:
-    """Validate a path read from a manifest/index: relative, normalized, confined."""
-    if not isinstance(path, str):
-        raise UnsafePath(f"{what} must be a string, got {type(path).__name__}")
-    if not path or len(path) > MAX_RELPATH:
-        raise UnsafePath(f"{what} {path[:80]!r} is empty or longer than {MAX_RELPATH} chars")
-    if path.startswith("/") or "\\" in path:
-        raise UnsafePath(f"{what} {path!r} is absolute; only paths inside the step are allowed")
-    for part in path.split("/"):
-        if part in ("", ".", "..") or not _SAFE_COMPONENT.match(part):
-            raise UnsafePath(
-                f"{what} {path!r} has an unsafe component {part!r}; "
-                "only [A-Za-z0-9._-] names inside the checkpoint directory are allowed"
-            )
-    return path

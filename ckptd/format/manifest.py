@@ -20,6 +20,7 @@ from typing import Any
 
 from ckptd.errors import CkptError, InvalidManifest
 from ckptd.format import dtypes, hashing, layout, values
+from ckptd.storage.paths import check_relative
 
 FORMAT_NAME = "ckptd"
 INDEX_FORMAT_NAME = "ckptd-shard-index"
@@ -246,8 +247,8 @@ def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:
         if not isinstance(s, dict):
             raise InvalidManifest(f"{sw}: must be an object")
         rank = _nonneg(s, "rank", sw, upper=world_size)
-        path = layout.check_relative(_field(s, "path", str, sw), what=f"{sw} path")
-        index = layout.check_relative(_field(s, "index", str, sw), what=f"{sw} index")
+        path = check_relative(_field(s, "path", str, sw), what=f"{sw} path")
+        index = check_relative(_field(s, "index", str, sw), what=f"{sw} index")
         digest = _field(s, "index_blake3", str, sw)
         if not hashing.is_hex_digest(digest):
             raise InvalidManifest(f"{sw}: index_blake3 is not a blake3 hex digest")
@@ -398,7 +399,7 @@ def _parse_entry(e: Any, i: int, block: int, align: int, shard: ShardInfo, what:
     offset = _nonneg(e, "offset", ew)
     if offset % align:
         raise InvalidManifest(f"{ew}: offset {offset} is not {align}-byte aligned")
-    file = layout.check_relative(e.get("file", shard.path), what=f"{ew} file")
+    file = check_relative(e.get("file", shard.path), what=f"{ew} file")
     if file != shard.path:
         raise InvalidManifest(f"{ew}: file {file!r} is not this index's shard {shard.path!r}")
     digests = e.get("blake3")

@@ -30,7 +30,6 @@ from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
 from ckptd.format.reader import verify_entries
 from ckptd.storage.base import Storage
-from ckptd.storage.local import LocalStorage
 
 _COPY_WINDOW = 16 << 20
 
@@ -72,8 +71,9 @@ def mirror_step(src: Storage, dst: Storage, step: int, *, job: str = "") -> Mirr
     files = [f"{sdir}/{p}" for sh in ck.manifest.shards for p in (sh.path, sh.index)]
     t0 = time.perf_counter()
     put_files = getattr(dst, "put_files", None)
-    if isinstance(src, LocalStorage) and put_files is not None:
-        put_files([(src.full(p), p) for p in files])
+    local = [src.local_path(p) for p in files]  # real files: one concurrent bulk upload
+    if put_files is not None and None not in local:
+        put_files(list(zip(local, files, strict=True)))
     else:
         for p in files:
             _copy_file(src, dst, p)

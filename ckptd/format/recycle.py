@@ -6,7 +6,8 @@ retires a step, its shard files are not deleted but moved into `<job>/.ckptd/rec
 (after the manifest is removed: the step is un-published first), and the next save
 renames one into place and overwrites it. Every byte of the new shard is written (the
 writer covers [0, size) including padding), so nothing of the old content survives. The
-pool is bounded; `ckptctl gc` empties it.
+pool is bounded; `ckptctl gc` empties it. Only a storage that `supports_reuse` keeps a
+pool (an object store uploads a shard whole, so there is nothing to overwrite).
 """
 
 from __future__ import annotations
@@ -14,20 +15,15 @@ from __future__ import annotations
 from ckptd.errors import CkptError
 from ckptd.format import layout
 from ckptd.storage.base import Storage
-from ckptd.storage.local import LocalStorage
 
 POOL = ".ckptd/recycle"
-
-
-def supported(storage: Storage) -> bool:
-    return isinstance(storage, LocalStorage)
 
 
 def retire_step(storage: Storage, step: int, *, keep_files: int) -> None:
     """Remove a committed step, keeping up to `keep_files` shard files for reuse."""
     sdir = layout.step_dir(step)
     storage.remove_tree(f"{sdir}/{layout.MANIFEST_NAME}")  # un-publish first
-    if keep_files > 0 and supported(storage):
+    if keep_files > 0 and storage.supports_reuse:
         storage.makedirs(POOL)
         for name in storage.listdir(f"{sdir}/{layout.SHARDS_DIR}"):
             if name.endswith(".bin"):
@@ -50,7 +46,7 @@ def trim(storage: Storage, keep_files: int) -> None:
 def take(storage: Storage, size: int) -> str | None:
     """A pool file to reuse for a shard of `size` bytes: the smallest that is large enough,
     else the largest. The caller renames it into place (atomic, so racing ranks are safe)."""
-    if not supported(storage):
+    if not storage.supports_reuse:
         return None
     best: tuple[int, str] | None = None
     fallback: tuple[int, str] | None = None

@@ -13,12 +13,27 @@ that directory, and is confined to it. The call order of a save:
 Reads: `open_read(path, cold=...)` gives a handle whose `read(offset, length)` is safe to
 call from many threads; with cold=True the bytes come from the device, not the page cache
 (O_DIRECT, or posix_fadvise DONTNEED where O_DIRECT is refused).
+
+Capabilities: a caller that can do better on some backends asks the storage, never tests
+for a backend class (zarr-python's `Store.supports_*`). Every backend answers them, and a
+wrapper (a faulty or slow storage in the tests) passes them on to what it wraps:
+
+    supports_reuse      open_write(reuse=...) renames an existing file into place and
+                        overwrites it in its allocated blocks (shard recycling); where
+                        False, `reuse` is ignored
+    local_path(path)    the path's absolute name on a local filesystem, for a caller that
+                        hands real files to another tool (a bulk upload); None where the
+                        bytes live elsewhere (an object store, memory://)
+
+Storage knows nothing of the checkpoint format: which file is the commit point is the
+caller's business (`create_only`'s `before_publish` lets it act at the moment a file is
+about to become visible), and so are the limits on what it reads (`read_bytes`' limit).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -89,8 +104,15 @@ class Storage(abc.ABC):
     def write_atomic(self, path: str, data: bytes) -> None:
         """Replace `path` with `data` atomically and durably."""
 
-    def create_only(self, path: str, data: bytes) -> None:
+    def create_only(
+        self, path: str, data: bytes, *, before_publish: Callable[[], None] | None = None
+    ) -> None:
         """Write `path` atomically unless it exists; raises CheckpointExists when it does.
+
+        before_publish: called once, at the last moment before `path` becomes visible
+        (after its bytes are durable in a temporary file where the backend writes one,
+        else just before the write; where the store refuses atomically, also before a
+        write it then refuses); the committing caller's crash point lives there.
 
         This default checks, then writes: two writers racing between the check and the
         write can both succeed (the later replaces the earlier). Backends whose store
@@ -98,11 +120,17 @@ class Storage(abc.ABC):
         """
         if self.exists(path):
             raise CheckpointExists(f"{self.url}/{path} already exists; it is never replaced")
+        if before_publish is not None:
+            before_publish()
         self.write_atomic(path, data)
 
     @abc.abstractmethod
     def read_bytes(self, path: str, *, limit: int) -> bytes:
-        """Whole small file; raises InvalidManifest when it exceeds `limit` bytes."""
+        """Whole small file; raises InvalidManifest when it exceeds `limit` bytes.
+
+        The limit bounds the memory a read of an untrusted file can take; the caller
+        chooses it (and says which setting raises it).
+        """
 
     @abc.abstractmethod
     def size(self, path: str) -> int:
@@ -122,3 +150,13 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def rename(self, src: str, dst: str) -> None:
         """Rename within the root, durably (both directories fsynced)."""
+
+    # -- capabilities (see the module docstring) -----------------------------------------
+    @property
+    @abc.abstractmethod
+    def supports_reuse(self) -> bool:
+        """Whether open_write(reuse=...) overwrites an existing file in its blocks."""
+
+    @abc.abstractmethod
+    def local_path(self, path: str) -> str | None:
+        """The absolute local-filesystem name of `path` (confined), or None."""

@@ -3,7 +3,7 @@
 Object stores have no positional writes, so a shard is assembled in host memory and
 uploaded in one call at `finish()` (`pipe_file`: s3fs sends a large one as a multipart
 upload, `upload_concurrency` parts at a time); reads are ranged GETs (`cat_file(start,
-end)`); whole committed steps are copied up with the bulk `put` (ckptd.storage.mirror).
+end)`); whole committed steps are copied up with the bulk `put` (ckptd.format.mirror).
 
 An object PUT (and a completed multipart upload) is atomic: readers see the whole object
 or none, so `write_atomic` is one PUT there; on other fsspec filesystems it is
@@ -22,15 +22,15 @@ from __future__ import annotations
 import os
 import posixpath
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import fsspec
 import numpy as np
 
 from ckptd import knobs
 from ckptd.errors import CheckpointExists, InvalidManifest, ShardMissing, StorageError
-from ckptd.format.layout import check_relative
 from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
+from ckptd.storage.paths import check_relative
 
 
 class FsspecWriteHandle(WriteHandle):
@@ -84,13 +84,15 @@ class FsspecReadHandle(ReadHandle):
 
 # Stores where one PUT is atomic and there are no real directories.
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+# fsspec's own local filesystem: its paths are real files.
+LOCAL_PROTOCOLS = frozenset({"file", "local"})
 # Stores whose pipe_file(mode="create") is an atomic create-if-absent.
 NATIVE_CREATE_ONLY = frozenset({"s3", "s3a", "memory"})
 
 
 class FsspecStorage(Storage):
     def __init__(self, url: str, **storage_options: object):
-        protocol = url.split("://", 1)[0]
+        protocol = str(fsspec.core.split_protocol(url)[0] or "file")
         if protocol in OBJECT_STORES:
             # Another process (or a killed one) changes the store behind our back.
             storage_options.setdefault("use_listings_cache", False)
@@ -173,17 +175,23 @@ class FsspecStorage(Storage):
         except OSError as e:
             raise StorageError(f"write of {self.url}/{path} failed: {e}") from e
 
-    def create_only(self, path: str, data: bytes) -> None:
+    def create_only(
+        self, path: str, data: bytes, *, before_publish: Callable[[], None] | None = None
+    ) -> None:
         if self.native_create_only:  # S3: If-None-Match: *; memory: open(mode="xb")
+            if before_publish is not None:
+                before_publish()  # one PUT: nothing is staged before it
             self.upload(path, data, create_only=True)
             return
-        super().create_only(path, data)  # others (gs://...): check, then write (racy)
+        # Others (gs://...): check, then write (racy).
+        super().create_only(path, data, before_publish=before_publish)
 
     def read_bytes(self, path: str, *, limit: int) -> bytes:
         n = self.size(path)
         if n > limit:
             raise InvalidManifest(
-                f"{self.url}/{path} is {n} bytes, over the {limit}-byte limit; refusing to parse it"
+                f"{self.url}/{path} is {n} bytes, over the {limit}-byte limit of this read; "
+                "refusing to read it"
             )
         data: bytes = self.fs.cat_file(self.full(path))
         return data
@@ -216,3 +224,12 @@ class FsspecStorage(Storage):
 
     def rename(self, src: str, dst: str) -> None:
         self.fs.mv(self.full(src), self.full(dst), recursive=True)
+
+    # -- capabilities --------------------------------------------------------------------
+    @property
+    def supports_reuse(self) -> bool:
+        return False  # a shard is one upload at finish(): there are no blocks to reuse
+
+    def local_path(self, path: str) -> str | None:
+        full = self.full(path)  # confined like every other path
+        return full if self.protocol in LOCAL_PROTOCOLS else None

@@ -19,16 +19,17 @@ import ctypes.util
 import errno
 import mmap
 import os
+import shutil
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ckptd.errors import InvalidManifest, ShardMissing, StorageError, UnsafePath
-from ckptd.faults import crash_point
-from ckptd.format.layout import check_relative
+from ckptd.errors import CheckpointExists, InvalidManifest, ShardMissing, StorageError, UnsafePath
 from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
+from ckptd.storage.location import local_dir
+from ckptd.storage.paths import check_relative
 
 ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -107,6 +108,37 @@ def makedirs_durable(full: str) -> None:
     os.makedirs(full, exist_ok=True)
     for d in reversed(missing):
         fsync_dir(os.path.dirname(d))
+
+
+def write_atomic(
+    full: str, data: bytes, *, before_publish: Callable[[], None] | None = None
+) -> None:
+    """Replace `full` with `data`: a temporary file, fsync, rename, fsync of the directory.
+
+    before_publish runs with the bytes durable under the temporary name, before the rename
+    makes them visible. The temporary is removed when anything fails.
+    """
+    tmp = f"{full}.tmp.{os.getpid()}.{threading.get_ident()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if before_publish is not None:
+            before_publish()
+        os.rename(tmp, full)
+        fsync_dir(os.path.dirname(full))
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 class LocalWriteHandle(WriteHandle):
@@ -345,9 +377,7 @@ class LocalStorage(Storage):
         early_writeback: bool = True,
         create: bool = False,
     ):
-        if "\0" in root:
-            raise UnsafePath(f"checkpoint path {root!r} contains a NUL byte")
-        self.root = os.path.realpath(os.path.abspath(root))
+        self.root = local_dir(root)
         self.url = self.root
         self.direct_io = direct_io
         self.early_writeback = early_writeback
@@ -425,26 +455,21 @@ class LocalStorage(Storage):
 
     def write_atomic(self, path: str, data: bytes) -> None:
         full = self.full(path)
-        tmp = f"{full}.tmp.{os.getpid()}.{threading.get_ident()}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if os.path.basename(full) == "MANIFEST.json":
-                crash_point("coordinator.mid_manifest")
-            os.rename(tmp, full)
-            fsync_dir(os.path.dirname(full))
+            write_atomic(full, data)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            raise self.io_error("write", path, e) from e
+
+    def create_only(
+        self, path: str, data: bytes, *, before_publish: Callable[[], None] | None = None
+    ) -> None:
+        # Check, then write (as the default): racy between two writers, see Storage.
+        if self.exists(path):
+            raise CheckpointExists(f"{self.url}/{path} already exists; it is never replaced")
+        full = self.full(path)
+        try:
+            write_atomic(full, data, before_publish=before_publish)
+        except OSError as e:
             raise self.io_error("write", path, e) from e
 
     def read_bytes(self, path: str, *, limit: int) -> bytes:
@@ -452,8 +477,8 @@ class LocalStorage(Storage):
         st = self.lstat_regular(path, full)
         if st.st_size > limit:
             raise InvalidManifest(
-                f"{full} is {st.st_size} bytes, over the {limit}-byte limit; "
-                "refusing to parse it (raise CKPT_MAX_MANIFEST_BYTES / CKPT_MAX_INDEX_BYTES if it is genuine)"
+                f"{full} is {st.st_size} bytes, over the {limit}-byte limit of this read; "
+                "refusing to read it"
             )
         try:
             fd = os.open(full, os.O_RDONLY | _O_NOFOLLOW | os.O_NONBLOCK)
@@ -485,8 +510,6 @@ class LocalStorage(Storage):
         if os.path.islink(full) or os.path.isfile(full):
             os.unlink(full)
         elif os.path.isdir(full):
-            import shutil
-
             shutil.rmtree(full)
         else:
             return
@@ -504,3 +527,11 @@ class LocalStorage(Storage):
                 fsync_dir(os.path.dirname(s))
         except OSError as e:
             raise self.io_error("rename", f"{src} -> {dst}", e) from e
+
+    # -- capabilities --------------------------------------------------------------------
+    @property
+    def supports_reuse(self) -> bool:
+        return True
+
+    def local_path(self, path: str) -> str | None:
+        return self.full(path)

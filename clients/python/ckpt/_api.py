@@ -25,7 +25,7 @@ from ckpt._save_job import SaveOptions
 from ckptd import knobs
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import recycle
-from ckptd.storage import Storage, open_storage
+from ckptd.storage import JobLocation, Storage, open_storage
 
 PathLike = str | os.PathLike[str]
 
@@ -129,9 +129,7 @@ def _checkpointer_for(path: PathLike) -> tuple[Checkpointer, bool]:
     through the process group's store), which a call on one rank cannot redo alone.
     """
     d = _default.current()
-    p = os.fspath(path)
-    if "://" not in p:
-        p = os.path.realpath(os.path.abspath(p))
+    p = JobLocation.of(path).path
     if d is not None and not d.closed and d.path == p:
         return d, False
     if _world.rank_and_world()[1] == 1:

@@ -42,7 +42,7 @@ from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout
 from ckptd.format.writer import ShardWriteStats
-from ckptd.storage import Storage, open_storage
+from ckptd.storage import JobLocation, Storage, open_storage
 
 log = logging.getLogger("ckpt")
 
@@ -100,8 +100,7 @@ class Checkpointer:
         )
         if save_on_preemption:
             _hooks.check_main_thread()  # before anything is started that would need closing
-        p = os.fspath(path)
-        self.path = p if "://" in p else os.path.realpath(os.path.abspath(p))
+        self.path = JobLocation.of(path).path
         self.allow_divergent = allow_divergent_replicas
         self.timeout_s = timeout_s
         self.rank, self.world_size = _world.rank_and_world()

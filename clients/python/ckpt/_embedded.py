@@ -6,45 +6,26 @@ thread, bound to 127.0.0.1 (single node) or all interfaces (several nodes), with
 token. Other ranks learn the address and token through torch.distributed's store, which
 is a key-value service, not a collective: a slow rank never blocks another's training.
 
-The catalog lives in `<job>/.ckptd/catalog.sqlite` when the job directory is on a local
-filesystem, else (a network filesystem, or an object store URL such as s3://bucket/job)
-under `$CKPTD_CATALOG_DIR` or `~/.cache/ckptd/catalogs/<hash>/` (SQLite is not safe on
-NFS/Lustre, and cannot live in a bucket). It can always be rebuilt from storage.
+The catalog lives where `JobLocation.catalog_path` says: `<job>/.ckptd/catalog.sqlite`
+when the job directory is on a local filesystem, else (a network filesystem, or an object
+store URL such as s3://bucket/job) under `$CKPTD_CATALOG_DIR` or
+`~/.cache/ckptd/catalogs/<hash>/` (SQLite is not safe on NFS/Lustre, and cannot live in a
+bucket). It can always be rebuilt from storage.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
-import os
 import secrets
 import threading
 from typing import Any
 
-from ckptd.coordinator.catalog import NETWORK_FS, Catalog, filesystem_type
+from ckptd.coordinator.catalog import Catalog
 from ckptd.coordinator.core import Coordinator
 from ckptd.server import ServerOptions, create_server
 from ckptd.storage.local import makedirs_durable
-
-
-def catalog_path(job_path: str) -> str:
-    override = os.environ.get("CKPTD_CATALOG_DIR")
-    url = "://" in job_path  # an object store: the catalog cannot live beside the job
-    digest = hashlib.sha256(
-        (job_path.rstrip("/") if url else os.path.realpath(job_path)).encode()
-    ).hexdigest()[:16]
-    if override:
-        return os.path.join(override, digest, "catalog.sqlite")
-    if url:
-        return os.path.join(os.path.expanduser("~/.cache/ckptd/catalogs"), digest, "catalog.sqlite")
-    local = os.path.join(job_path, ".ckptd", "catalog.sqlite")
-    probe = job_path
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe) or "/"
-    if filesystem_type(probe) not in NETWORK_FS:
-        return local
-    return os.path.join(os.path.expanduser("~/.cache/ckptd/catalogs"), digest, "catalog.sqlite")
+from ckptd.storage.location import JobLocation
 
 
 class EmbeddedCoordinator:
@@ -58,13 +39,11 @@ class EmbeddedCoordinator:
         lease_s: float = 60.0,
         barrier_timeout_s: float = 600.0,
     ):
-        if "://" in job_path:  # an fsspec URL (s3://bucket/job): the root is its parent
-            self.job_path = job_path.rstrip("/")
-            self.root = self.job_path.rsplit("/", 1)[0]
-        else:
-            self.job_path = os.path.realpath(os.path.abspath(job_path))
+        self.location = JobLocation.of(job_path)
+        self.job_path = self.location.path
+        if not self.location.is_url:  # an object store has no directories to make
             makedirs_durable(self.job_path)
-            self.root = os.path.dirname(self.job_path)
+        self.root = self.location.parent  # the coordinator serves the job's parent
         self.token = secrets.token_urlsafe(24)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -82,7 +61,7 @@ class EmbeddedCoordinator:
         return fut.result(timeout)
 
     async def _start(self, host: str, lease_s: float, barrier_timeout_s: float) -> int:
-        catalog = Catalog(catalog_path(self.job_path))
+        catalog = Catalog(self.location.catalog_path())
         self.core = Coordinator(
             self.root, catalog, lease_s=lease_s, barrier_timeout_s=barrier_timeout_s
         )

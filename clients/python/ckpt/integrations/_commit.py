@@ -12,7 +12,6 @@ per block, fsync, index, cold re-read with verify="full") wherever the bytes are
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from ckpt._protocol import commit_for_ranks
@@ -23,11 +22,6 @@ from ckptd.format.manifest import ShardInfo
 from ckptd.format.writer import ShardWriter, WriteItem, plan_offsets
 from ckptd.server.client import CoordinatorClient
 from ckptd.storage import open_storage
-
-
-def job_path(path: str | os.PathLike[str]) -> str:
-    p = os.fspath(path)
-    return p if "://" in p else os.path.realpath(os.path.abspath(p))
 
 
 @dataclasses.dataclass(frozen=True)

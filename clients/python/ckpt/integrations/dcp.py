@@ -77,7 +77,7 @@ from ckptd.format import dtypes, layout
 from ckptd.format.boxes import BoxRead, read_boxes
 from ckptd.format.manifest import ShardInfo
 from ckptd.format.writer import WriteItem
-from ckptd.storage import open_storage
+from ckptd.storage import JobLocation, open_storage
 
 __all__ = ["StorageReader", "StorageWriter"]
 
@@ -128,7 +128,7 @@ class StorageWriter(_DCPWriter):
             raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-        self.path = _commit.job_path(path)
+        self.path = JobLocation.of(path).path
         self.step = layout.check_step(step)
         self.verify, self.keep_last = verify, keep_last
         self.metadata = check_metadata(metadata)
@@ -148,7 +148,7 @@ class StorageWriter(_DCPWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A checkpoint_id passed to dcp.save names the job directory (the step stays)."""
         if checkpoint_id is not None:
-            self.path = _commit.job_path(checkpoint_id)
+            self.path = JobLocation.of(checkpoint_id).path
         self._target = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -328,7 +328,7 @@ class StorageReader(_DCPReader):
         io_threads: int | None = None,
     ):
         super().__init__()
-        self.path = _commit.job_path(path)
+        self.path = JobLocation.of(path).path
         self.step = None if step is None else layout.check_step(step)
         self.io_threads = io_threads
         self.rank = 0
@@ -343,7 +343,7 @@ class StorageReader(_DCPReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = _commit.job_path(checkpoint_id)
+            self.path = JobLocation.of(checkpoint_id).path
         self._ck = None
 
     @classmethod

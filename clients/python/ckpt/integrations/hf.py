@@ -30,7 +30,7 @@ from typing import Any
 
 import ckpt
 from ckptd.format import checkpoint as ckfmt
-from ckptd.storage import open_storage
+from ckptd.storage import JobLocation, open_storage
 
 __all__ = ["accelerator_state", "load_state", "save_state"]
 
@@ -79,9 +79,9 @@ def load_state(
     Returns the step loaded, or None when `path` holds no checkpoint yet (a new run).
     extra: a dict filled in place with what save_state's extra held.
     """
-    p = os.fspath(path)
-    if step is None and ("://" in p or os.path.isdir(p)):
-        if not ckfmt.list_steps(open_storage(p)):
+    loc = JobLocation.of(path)
+    if step is None and (loc.is_url or os.path.isdir(loc.path)):
+        if not ckfmt.list_steps(open_storage(loc)):
             return None
     elif step is None:
         return None

@@ -36,7 +36,7 @@ from ckpt.integrations import _commit, _coordinator
 from ckptd.errors import CheckpointNotFound, UnsupportedValue
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import values
-from ckptd.storage import open_storage
+from ckptd.storage import JobLocation, open_storage
 
 try:  # the unified package first, then the standalone one pytorch_lightning uses
     from lightning.fabric.plugins import CheckpointIO
@@ -141,7 +141,7 @@ class CkptdCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         job = job_for(path)
         _coordinator.close(job)
-        if "://" not in job and not os.path.isdir(job):
+        if not JobLocation.of(job).is_url and not os.path.isdir(job):
             return
         storage = open_storage(job)
         for s in ckfmt.list_steps(storage):
@@ -154,8 +154,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 def job_for(path: Any) -> str:
     """The ckptd job directory of a Lightning checkpoint path."""
-    head, name = os.path.split(_commit.job_path(path))  # also right for fsspec URLs
-    return f"{head}/{_UNSAFE.sub('_', name)}"
+    loc = JobLocation.of(path)
+    return f"{loc.parent}/{_UNSAFE.sub('_', loc.name)}"
 
 
 def _storable(obj: Any, key: str, policy: str, where: str) -> Any:
