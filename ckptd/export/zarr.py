@@ -27,15 +27,13 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ckptd.errors import CkptError
+from ckptd.export.reading import Reader, Tensor, header_metadata
 from ckptd.format import dtypes
-
-if TYPE_CHECKING:
-    from ckptd.export import Reader, Tensor
 
 CORE_TYPES = {
     "bool",
@@ -111,8 +109,6 @@ def write_zarr(
     reader: Reader, tensors: Sequence[Tensor], out: str, *, keep_bfloat16: bool = False
 ) -> None:
     import tensorstore as ts
-
-    from ckptd.export import header_metadata
 
     _write_group(out, {"ckptd": header_metadata(reader.ck)})
     groups: set[tuple[str, ...]] = {()}
