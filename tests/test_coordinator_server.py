@@ -34,8 +34,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import ckpt
 from ckpt._transport import CoordinatorClient
-from ckptd.coordinator.core import SaveRef
 from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.types import SaveRef
 from ckptd.errors import (
     CheckpointNotFound,
     CoordinatorUnavailable,

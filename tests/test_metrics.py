@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import ckpt
 from ckpt._transport import CoordinatorClient
-from ckptd.coordinator.core import SaveRef, ShardReport
+from ckptd.coordinator.types import SaveRef, ShardReport
 from ckptd.server import ServerOptions
 from ckptd.server.metrics import Metrics, MetricsServer
 

@@ -39,8 +39,8 @@ from ckpt._staging import HostImage, stage
 from ckpt._tiers import load_tiered
 from ckpt._transport import CoordinatorClient
 from ckptd import knobs
-from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.types import SaveRef, ShardReport
 from ckptd.errors import (
     CheckpointNotFound,
     CkptError,

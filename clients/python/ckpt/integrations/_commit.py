@@ -19,8 +19,8 @@ from typing import Any
 
 from ckpt._transport import CoordinatorClient
 from ckptd import knobs
-from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.types import SaveRef, ShardReport
 from ckptd.errors import CkptError, SaveAborted
 from ckptd.format.manifest import ShardInfo
 from ckptd.format.writer import ShardWriter, WriteItem, plan_offsets

@@ -1,0 +1,170 @@
+"""One save as the coordinator holds it: its in-memory state, its manifest, its files.
+
+A `Session` lives from the first BeginSave of (job, step, generation) to its commit or
+abort; the core keeps recently ended ones to answer retries. The manifest of a step is
+built in one place (`manifest_of`), from a live session or, after a restart, from the
+catalog's record of it; the files an aborted save leaves are removed by its generation's
+names only (`remove_rank_files`), never a manifest, never a file a manifest references.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from ckptd.coordinator import planning
+from ckptd.coordinator.types import ABORTED, OPEN, ShardReport, StatusResult
+from ckptd.errors import CkptError, SaveAborted
+from ckptd.format import checkpoint as ckfmt
+from ckptd.format import layout
+from ckptd.format.manifest import Manifest, load_json
+from ckptd.storage import Storage
+
+log = logging.getLogger("ckptd.coordinator")
+
+ALIGNMENT = 4096  # the writer's entry alignment (format v1)
+
+
+@dataclasses.dataclass
+class RankPlan:
+    parts: int
+    received: dict[int, list[planning.ChunkPlan]] = dataclasses.field(default_factory=dict)
+    state: Any = None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.received) == self.parts
+
+    def chunks(self) -> list[planning.ChunkPlan]:
+        return [c for p in range(self.parts) for c in self.received[p]]
+
+
+class Session:
+    def __init__(self, job: str, step: int, generation: int, world_size: int, keep_last: int):
+        self.job, self.step, self.generation, self.world_size = job, step, generation, world_size
+        self.keep_last = keep_last
+        self.status = OPEN
+        self.reason = ""
+        self.plans: dict[int, RankPlan] = {}
+        self.assignment: planning.Assignment | None = None
+        self.chunks: dict[int, list[planning.ChunkPlan]] = {}
+        self.reports: dict[int, ShardReport] = {}
+        self.last_seen: dict[int, float] = {}
+        self.created = time.monotonic()
+        self.barrier_deadline = self.created
+        self.allow_divergent = False
+        self.planned: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.done: asyncio.Future[StatusResult] = asyncio.get_running_loop().create_future()
+        self.commit_task: asyncio.Task[None] | None = None
+        self.manifest_blake3 = ""
+        self.bytes = 0
+        self.state: Any = None  # merged state tree, once planned
+        self.block_sizes: dict[int, int] = {}  # from each reported index
+        self.metadata: dict[str, Any] = {}
+        self.all_reported = 0.0  # monotonic time of the last shard's report
+        self.abort_kind: type[CkptError] = SaveAborted  # what a rank arriving later gets
+
+    def fail(self, reason: str, kind: type[CkptError] = SaveAborted) -> None:
+        self.status, self.reason, self.abort_kind = ABORTED, reason, kind
+        if not self.planned.done():
+            self.planned.set_exception(kind(reason))
+            self.planned.exception()  # mark retrieved: not every rank may be waiting
+        if not self.done.done():
+            self.done.set_result(StatusResult(ABORTED, reason))
+
+    def answer(self) -> StatusResult:
+        return StatusResult(self.status, self.reason, self.manifest_blake3)
+
+
+class SaveIdentity(Protocol):
+    """What names a save: a live Session or the catalog's SaveRecord of it."""
+
+    @property
+    def job(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def generation(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+
+
+def manifest_of(
+    save: SaveIdentity,
+    block_size: int,
+    reports: Mapping[int, ShardReport],
+    state: Any,
+    metadata: dict[str, Any] | None = None,
+) -> Manifest:
+    """The step's manifest: its shards are the ranks' reports, in rank order."""
+    return Manifest(
+        job=save.job,
+        step=save.step,
+        generation=save.generation,
+        world_size=save.world_size,
+        block_size=block_size,
+        alignment=ALIGNMENT,
+        shards=[rep.shard_info(r) for r, rep in sorted(reports.items())],
+        state=state,
+        metadata=metadata or {},
+    )
+
+
+def index_block_size(doc: Any) -> int:
+    """The hash block size a shard index (parsed JSON) declares."""
+    try:
+        return int(doc["block_size"])
+    except (ValueError, KeyError, TypeError):
+        raise CkptError("shard index is not a JSON object with a block_size") from None
+
+
+def one_block_size(step: int, sizes: Iterable[int]) -> int:
+    """The block size every rank used; ranks that disagree fail the save, saying the fix."""
+    distinct = set(sizes)
+    if len(distinct) != 1:
+        raise CkptError(
+            f"step {step}: ranks used different hash block sizes {sorted(distinct)}; "
+            "set CKPT_BLOCK_SIZE equally on every rank"
+        )
+    return distinct.pop()
+
+
+def reported_block_size(st: Storage, step: int, reports: Mapping[int, ShardReport]) -> int:
+    """The block size of a step's reported shards, read from their indexes (recovery)."""
+    sizes = []
+    for rep in reports.values():
+        where = f"{layout.step_dir(step)}/{rep.index_path}"
+        data = st.read_bytes(where, limit=rep.index_size)
+        sizes.append(index_block_size(load_json(data, f"{st.url}/{where}")))
+    return one_block_size(step, sizes)
+
+
+def remove_rank_files(st: Storage, step: int, generation: int, rank: int) -> None:
+    """Remove one rank's files of an aborted save: its own generation's names only, never
+    a manifest, never a file the step's manifest (of another generation) references."""
+    sdir = layout.step_dir(step)
+    referenced: set[str] = set()
+    if st.exists(f"{sdir}/{layout.MANIFEST_NAME}"):
+        try:
+            m = ckfmt.read_manifest(st, step)
+        except CkptError:
+            return  # cannot tell what the committed step needs: touch nothing
+        referenced = {x for sh in m.shards for x in (sh.path, sh.index)}
+    for name in (layout.shard_name(rank, generation), layout.index_name(rank, generation)):
+        if name in referenced:
+            continue
+        try:
+            st.remove_tree(f"{sdir}/{name}")
+        except (OSError, CkptError) as e:
+            log.warning("could not remove %s/%s/%s: %s", st.url, sdir, name, e)
+
+
+def remove_generation_files(st: Storage, step: int, generation: int, world_size: int) -> None:
+    """Remove every rank's files of an aborted save (`remove_rank_files`)."""
+    for r in range(world_size):
+        remove_rank_files(st, step, generation, r)
