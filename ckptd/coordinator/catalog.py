@@ -36,6 +36,7 @@ from ckptd.coordinator.types import (
     QUARANTINED,
     TIER_REMOVED,
     ShardReport,
+    StatusResult,
 )
 from ckptd.errors import CkptError
 
@@ -168,6 +169,10 @@ class SaveRecord:
     manifest_blake3: str = ""
     draft: str | None = None
     keep_last: int = 0
+
+    def answer(self) -> StatusResult:
+        """What a rank asking about this save is told (as Session.answer for a live one)."""
+        return StatusResult(self.status, self.reason, self.manifest_blake3)
 
     def draft_doc(self) -> dict[str, Any] | None:
         """The manifest's draft (`Catalog.record_draft`); None before the plan was made."""

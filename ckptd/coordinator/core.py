@@ -29,7 +29,6 @@ from ckptd.coordinator.recovery import Recovery
 from ckptd.coordinator.session import (
     RankPlan,
     Session,
-    index_block_size,
     manifest_of,
     one_block_size,
     remove_rank_files,
@@ -59,7 +58,6 @@ from ckptd.errors import (
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout, values
-from ckptd.format.manifest import load_json, parse_index
 from ckptd.storage import Storage, open_storage
 
 log = logging.getLogger("ckptd.coordinator")
@@ -411,7 +409,7 @@ class Coordinator(Recovery):
         restart of the coordinator), from the catalog; None when it is live or unknown."""
         rec = self._find(ref, job)
         if isinstance(rec, SaveRecord) and rec.status in (COMMITTED, ABORTED):
-            return StatusResult(rec.status, rec.reason, rec.manifest_blake3)
+            return rec.answer()
         return None
 
     async def keep_alive(self, ref: SaveRef) -> StatusResult:
@@ -420,7 +418,7 @@ class Coordinator(Recovery):
         if ended is not None:
             return ended
         s = self._session(ref, job)
-        return StatusResult(s.status, s.reason, s.manifest_blake3)
+        return s.answer()
 
     async def report_shard(self, ref: SaveRef, report: ShardReport) -> StatusResult:
         try:
@@ -452,13 +450,13 @@ class Coordinator(Recovery):
         prev = s.reports.get(ref.rank)
         if prev is not None:
             if prev == report:
-                return StatusResult(s.status, s.reason, s.manifest_blake3)
+                return s.answer()
             raise InvalidRequest(
                 f"job {job!r} step {ref.step} rank {ref.rank}: shard reported twice with different "
                 f"contents (index blake3 {prev.index_blake3[:12]} then {report.index_blake3[:12]})"
             )
         if s.status != OPEN:
-            return StatusResult(s.status, s.reason, s.manifest_blake3)
+            return s.answer()
         want_shard, want_index = (
             layout.shard_name(ref.rank, s.generation),
             layout.index_name(ref.rank, s.generation),
@@ -473,7 +471,7 @@ class Coordinator(Recovery):
                 f"job {job!r} step {ref.step} rank {ref.rank}: verify must be full or size"
             )
         try:
-            await asyncio.to_thread(self._check_report, s, ref.rank, report)
+            await asyncio.to_thread(s.check_report, self.storage(job), ref.rank, report)
         except CkptError as e:
             self.observer.verification_failed(job, ref.step, "report", f"rank {ref.rank}: {e}")
             await self._abort(s, f"rank {ref.rank}: {e}", outcome=obs.FAILED)
@@ -487,55 +485,7 @@ class Coordinator(Recovery):
             s.status = COMMITTING
             s.all_reported = time.monotonic()
             s.commit_task = asyncio.get_running_loop().create_task(self._commit(s))
-        return StatusResult(s.status, s.reason, s.manifest_blake3)
-
-    def _check_report(self, s: Session, rank: int, report: ShardReport) -> None:
-        """The coordinator's own look at a shard: sizes, index hash, and the chunks it holds."""
-        st = self.storage(s.job)
-        sdir = layout.step_dir(s.step)
-        size = st.size(f"{sdir}/{report.shard_path}")
-        if size != report.size:
-            raise CkptError(
-                f"{st.url}/{sdir}/{report.shard_path} is {size} bytes, the rank reported {report.size}"
-            )
-        data = st.read_bytes(f"{sdir}/{report.index_path}", limit=report.index_size)
-        if len(data) != report.index_size or hashing.digest(data) != report.index_blake3:
-            raise CkptError(
-                f"{st.url}/{sdir}/{report.index_path} does not match the reported size/blake3"
-            )
-        assert s.assignment is not None
-        where = f"{st.url}/{sdir}/{report.index_path}"
-        doc = load_json(data, where)  # parsed once: the block size first, then the index
-        block_size = index_block_size(doc)
-        s.block_sizes[rank] = block_size
-        draft = manifest_of(s, block_size, {}, None)
-        shard = report.shard_info(rank)
-        index = parse_index(
-            None, manifest=draft, shard=shard, max_entries=10**7, what=where, doc=doc
-        )
-        planned = s.chunks[rank]
-        want = {
-            (planned[i].key, planned[i].chunk_offsets, planned[i].chunk_sizes): planned[i]
-            for i in s.assignment.write[rank]
-        }
-        got = {(e.key, tuple(e.chunk_offsets), tuple(e.chunk_sizes)): e for e in index.entries}
-        if set(want) != set(got):
-            missing = sorted(k[0] for k in set(want) - set(got))[:5]
-            extra = sorted(k[0] for k in set(got) - set(want))[:5]
-            raise CkptError(
-                f"shard index holds other chunks than assigned (missing {missing}, unexpected {extra})"
-            )
-        for k, c in want.items():
-            e = got[k]
-            if (
-                e.dtype != c.dtype
-                or e.length != c.length
-                or hashing.chunk_digest(e.blake3) != c.blake3
-            ):
-                raise CkptError(
-                    f"key {k[0]!r}: the shard holds other bytes than the rank planned (hash mismatch)"
-                )
-        s.bytes += report.size
+        return s.answer()
 
     async def _commit(self, s: Session) -> None:
         st = self.storage(s.job)
@@ -576,18 +526,18 @@ class Coordinator(Recovery):
                 f"job {job!r} step {ref.step} generation {ref.generation}: no such save"
             )
         if isinstance(s, SaveRecord):
-            return StatusResult(s.status, s.reason, s.manifest_blake3)
+            return s.answer()
         s.last_seen[ref.rank] = time.monotonic()
         try:
             return await asyncio.wait_for(asyncio.shield(s.done), timeout_s)
         except TimeoutError:
-            return StatusResult(s.status, s.reason, s.manifest_blake3)
+            return s.answer()
 
     async def abort_save(self, ref: SaveRef, reason: str) -> StatusResult:
         job = self._check_ref(ref)
         found = self._find(ref, job)
         if isinstance(found, SaveRecord):
-            return StatusResult(found.status, found.reason, found.manifest_blake3)
+            return found.answer()
         s = found
         if s is None:
             rec = self.catalog.save(job, ref.step)
@@ -601,7 +551,7 @@ class Coordinator(Recovery):
             await self.catalog.record_begin(job, ref.step, ref.generation, ref.world_size)
         if s.status in (OPEN,):
             await self._abort(s, f"rank {ref.rank} aborted: {reason[:1000]}")
-        return StatusResult(s.status, s.reason, s.manifest_blake3)
+        return s.answer()
 
     # -- catalog queries ---------------------------------------------------------------
     def list_checkpoints(self, job: str) -> list[SaveRecord]:

@@ -20,8 +20,8 @@ from ckptd.coordinator import planning
 from ckptd.coordinator.types import ABORTED, OPEN, ShardReport, StatusResult
 from ckptd.errors import CkptError, SaveAborted
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import layout
-from ckptd.format.manifest import Manifest, load_json
+from ckptd.format import hashing, layout
+from ckptd.format.manifest import Manifest, load_json, parse_index
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.coordinator")
@@ -79,6 +79,55 @@ class Session:
 
     def answer(self) -> StatusResult:
         return StatusResult(self.status, self.reason, self.manifest_blake3)
+
+    def check_report(self, st: Storage, rank: int, report: ShardReport) -> None:
+        """The coordinator's own look at a reported shard (blocking: run in a thread): its
+        size, its index's hash, and that the index holds exactly the assigned chunks with
+        the planned hashes."""
+        sdir = layout.step_dir(self.step)
+        size = st.size(f"{sdir}/{report.shard_path}")
+        if size != report.size:
+            raise CkptError(
+                f"{st.url}/{sdir}/{report.shard_path} is {size} bytes, the rank reported {report.size}"
+            )
+        data = st.read_bytes(f"{sdir}/{report.index_path}", limit=report.index_size)
+        if len(data) != report.index_size or hashing.digest(data) != report.index_blake3:
+            raise CkptError(
+                f"{st.url}/{sdir}/{report.index_path} does not match the reported size/blake3"
+            )
+        assert self.assignment is not None
+        where = f"{st.url}/{sdir}/{report.index_path}"
+        doc = load_json(data, where)  # parsed once: the block size first, then the index
+        block_size = index_block_size(doc)
+        self.block_sizes[rank] = block_size
+        draft = manifest_of(self, block_size, {}, None)
+        shard = report.shard_info(rank)
+        index = parse_index(
+            None, manifest=draft, shard=shard, max_entries=10**7, what=where, doc=doc
+        )
+        planned = self.chunks[rank]
+        want = {
+            (planned[i].key, planned[i].chunk_offsets, planned[i].chunk_sizes): planned[i]
+            for i in self.assignment.write[rank]
+        }
+        got = {(e.key, tuple(e.chunk_offsets), tuple(e.chunk_sizes)): e for e in index.entries}
+        if set(want) != set(got):
+            missing = sorted(k[0] for k in set(want) - set(got))[:5]
+            extra = sorted(k[0] for k in set(got) - set(want))[:5]
+            raise CkptError(
+                f"shard index holds other chunks than assigned (missing {missing}, unexpected {extra})"
+            )
+        for k, c in want.items():
+            e = got[k]
+            if (
+                e.dtype != c.dtype
+                or e.length != c.length
+                or hashing.chunk_digest(e.blake3) != c.blake3
+            ):
+                raise CkptError(
+                    f"key {k[0]!r}: the shard holds other bytes than the rank planned (hash mismatch)"
+                )
+        self.bytes += report.size
 
 
 class SaveIdentity(Protocol):
