@@ -10,6 +10,11 @@ durably before it is acknowledged, so a restarted coordinator finishes or aborts
 previous life left open (`recover`). Fencing: each job has a newest generation; a request
 from an older one is refused with StaleGeneration, and a newer one aborts the older's
 open saves.
+
+This module is the state machine and the RPCs; around it: the shared types (`types`), one
+save's state, manifest and files (`session`), the catalog's writes (`catalog`), start-up
+recovery and rebuild (`recovery`), the retention rule (`retention`), who writes what
+(`planning`) and what observers hear (`observer`).
 """
 
 from __future__ import annotations
