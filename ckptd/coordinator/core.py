@@ -685,29 +685,9 @@ class Coordinator(Recovery):
             await asyncio.sleep(max(0.05, min(self.lease_s, self.barrier_timeout_s) / 4))
             t = time.monotonic()
             for s in list(self.sessions.values()):
-                if s.status != OPEN:
-                    continue
-                if s.assignment is None:
-                    if t > s.barrier_deadline:
-                        missing = [
-                            r
-                            for r in range(s.world_size)
-                            if r not in s.plans or not s.plans[r].complete
-                        ]
-                        await self._abort(
-                            s, f"ranks {_ranks(missing)} did not join within the barrier timeout"
-                        )
-                    continue
-                silent = [
-                    r
-                    for r in range(s.world_size)
-                    if r not in s.reports and t - s.last_seen.get(r, s.created) > self.lease_s
-                ]
-                if silent:
-                    await self._abort(
-                        s,
-                        f"rank(s) {_ranks(silent)} silent for over {self.lease_s:.0f}s (lease expired; the process died or hung)",
-                    )
+                reason = s.overdue(t, self.lease_s)
+                if reason is not None:
+                    await self._abort(s, reason)
 
     async def _retention(self, job: str, keep_last: int) -> None:
         """Carry out the job's retention plan (ckptd.coordinator.retention, the one rule).
@@ -723,23 +703,9 @@ class Coordinator(Recovery):
         in_flight = {step for j, step in self.sessions if j == job}
         steps = retention.from_catalog(self.catalog.saves(job), dirs, in_flight)
         plan = retention.plan(steps, keep_last)
-        for step in plan.steps:
-            if (job, step) in self.sessions:  # a save of this step began since the plan
-                continue
-            retire = step in plan.retire
-            if retire:
-                await self.catalog.add_retiring(job, step)
-            try:
-                await asyncio.to_thread(
-                    retention.retire if retire else retention.remove_debris, st, step
-                )
-            except (OSError, CkptError) as e:
-                log.warning("retention: could not remove job %s step %d: %s", job, step, e)
-                continue
-            if retire:
-                # The widest window: the step is gone from storage, still listed in the catalog.
-                crash_point("coordinator.during_retention")
-                await self.catalog.forget_retired(job, step)
+        await retention.carry_out(
+            self.catalog, st, job, plan, began=lambda step: (job, step) in self.sessions
+        )
 
 
 def _check_step(job: str, step: int) -> None:
@@ -747,9 +713,3 @@ def _check_step(job: str, step: int) -> None:
         layout.check_step(step)
     except ValueError as e:
         raise InvalidRequest(f"job {job!r}: {e}") from None
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:16])) + (
-        f" (+{len(ranks) - 16} more)" if len(ranks) > 16 else ""
-    )

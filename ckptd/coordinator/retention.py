@@ -5,7 +5,8 @@
 commit with keep_last; it lists each retired step in the catalog's `retiring` table before
 removing it, so a restart finishes the removal), `ckpt.apply_retention` and the mirror
 (`apply`, from storage alone). The callers differ only in how they learn the steps' states
-(`from_catalog`, `from_storage`) and in what they record; never in what is removed.
+(`from_catalog`, `from_storage`) and in what they record (`carry_out` records in the
+catalog, `apply` nothing); never in what is removed.
 
 The promise: never the newest committed step, never anything that has no committed step
 after it, never a save in flight, never a manifest that cannot be read (it may be whole).
@@ -15,18 +16,24 @@ changes `plan` alone: the states carry when each step was saved for that.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Collection, Iterable, Mapping
+import logging
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from ckptd import knobs
-from ckptd.coordinator.catalog import SaveRecord
+from ckptd.coordinator.catalog import Catalog, SaveRecord
 from ckptd.coordinator.types import COMMITTED as SAVE_COMMITTED
 from ckptd.coordinator.types import COMMITTING as SAVE_COMMITTING
 from ckptd.coordinator.types import OPEN as SAVE_OPEN
 from ckptd.coordinator.types import QUARANTINED as SAVE_QUARANTINED
+from ckptd.errors import CkptError
+from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout, recycle
 from ckptd.storage.base import Storage
+
+log = logging.getLogger("ckptd.coordinator")
 
 # What retention knows of a step.
 COMMITTED = "COMMITTED"  # whole; counts towards keep_last
@@ -149,6 +156,30 @@ def retire(storage: Storage, step: int) -> None:
 def remove_debris(storage: Storage, step: int) -> None:
     """Remove a step directory that holds no checkpoint."""
     ckfmt.remove_step(storage, step)
+
+
+async def carry_out(
+    catalog: Catalog, st: Storage, job: str, p: RetentionPlan, began: Callable[[int], bool]
+) -> None:
+    """The coordinator's way to carry out a plan: each retired step is listed in the
+    catalog's `retiring` table before anything of it is removed, and its rows go after, so
+    a restart finishes exactly these steps (recovery). `began(step)`: a save of that step
+    opened since the plan was made (it is skipped)."""
+    for step in p.steps:
+        if began(step):
+            continue
+        retiring = step in p.retire
+        if retiring:
+            await catalog.add_retiring(job, step)
+        try:
+            await asyncio.to_thread(retire if retiring else remove_debris, st, step)
+        except (OSError, CkptError) as e:
+            log.warning("retention: could not remove job %s step %d: %s", job, step, e)
+            continue
+        if retiring:
+            # The widest window: the step is gone from storage, still listed in the catalog.
+            crash_point("coordinator.during_retention")
+            await catalog.forget_retired(job, step)
 
 
 def apply(storage: Storage, keep_last: int, in_flight: Collection[int] = ()) -> list[int]:

@@ -77,6 +77,33 @@ class Session:
         if not self.done.done():
             self.done.set_result(StatusResult(ABORTED, reason))
 
+    def overdue(self, now: float, lease_s: float) -> str | None:
+        """Why an open save must be aborted now (monotonic `now`), or None: ranks that did
+        not join before the barrier deadline, or, once planned, that stopped renewing their
+        lease before reporting."""
+        if self.status != OPEN:
+            return None
+        if self.assignment is None:
+            if now <= self.barrier_deadline:
+                return None
+            missing = [
+                r
+                for r in range(self.world_size)
+                if r not in self.plans or not self.plans[r].complete
+            ]
+            return f"ranks {_ranks(missing)} did not join within the barrier timeout"
+        silent = [
+            r
+            for r in range(self.world_size)
+            if r not in self.reports and now - self.last_seen.get(r, self.created) > lease_s
+        ]
+        if not silent:
+            return None
+        return (
+            f"rank(s) {_ranks(silent)} silent for over {lease_s:.0f}s "
+            "(lease expired; the process died or hung)"
+        )
+
     def answer(self) -> StatusResult:
         return StatusResult(self.status, self.reason, self.manifest_blake3)
 
@@ -217,3 +244,9 @@ def remove_generation_files(st: Storage, step: int, generation: int, world_size:
     """Remove every rank's files of an aborted save (`remove_rank_files`)."""
     for r in range(world_size):
         remove_rank_files(st, step, generation, r)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (
+        f" (+{len(ranks) - 16} more)" if len(ranks) > 16 else ""
+    )
