@@ -142,7 +142,7 @@ def write_safetensors(reader: Reader, tensors: Sequence[Tensor], out: str) -> No
 
 
 def write_torch(reader: Reader, tensors: Sequence[Tensor], out: str) -> None:
-    import torch
+    import torch  # heavy, and only this format needs it: imported when used
 
     align = 64
     offsets = []
