@@ -62,7 +62,7 @@ import _common as C
 import grpc
 import numpy as np
 
-from ckptd.coordinator.core import ShardReport
+from ckptd.coordinator.types import ShardReport
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing
 from ckptd.format.writer import WriteItem, write_shard

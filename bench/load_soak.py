@@ -63,7 +63,7 @@ import _common as C
 import coordinator_scale as cs
 import grpc
 
-from ckptd.coordinator.core import ShardReport
+from ckptd.coordinator.types import ShardReport
 from ckptd.errors import CkptError
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout

@@ -28,8 +28,9 @@ from typing import Any
 
 from ckpt._flatten import flatten
 from ckptd.coordinator.catalog import Catalog
-from ckptd.coordinator.core import BeginResult, Coordinator, SaveRef, ShardReport, StatusResult
+from ckptd.coordinator.core import Coordinator
 from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport, StatusResult
 from ckptd.format.writer import WriteItem, hash_items, write_shard
 from ckptd.server.client import CoordinatorClient
 from ckptd.storage import open_storage

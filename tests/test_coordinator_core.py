@@ -32,7 +32,7 @@ from coordinator_fixtures import (
 import ckpt
 from ckptd import knobs
 from ckptd.coordinator import planning
-from ckptd.coordinator.core import SaveRef, ShardReport
+from ckptd.coordinator.types import SaveRef, ShardReport
 from ckptd.errors import (
     CheckpointExists,
     DivergentReplicas,
@@ -953,12 +953,12 @@ def test_rebuild_does_not_recreate_a_job_removed_after_the_walk_listed_it(
     """A new catalog rebuilds from every job under the root. A job removed between the walk
     that listed it and its read (a Lightning checkpoint leaving the top k while a coordinator
     for a sibling path starts) stays removed: the scan reads, it never makes directories."""
-    from ckptd.coordinator import core as core_mod
+    from ckptd.coordinator import recovery
 
     root = tmp_path / "ckpts"
     for name in ("gone.ckpt", "kept.ckpt"):
         ckpt.save({"w": torch.ones(2)}, str(root / name), step=4)
-    real_find = core_mod._find_jobs
+    real_find = recovery._find_jobs
 
     def find_then_remove(r: str, *a: object) -> list[str]:
         jobs = real_find(r, *a)
@@ -967,7 +967,7 @@ def test_rebuild_does_not_recreate_a_job_removed_after_the_walk_listed_it(
         shutil.rmtree(root / "gone.ckpt")  # removed after the walk listed it
         return jobs
 
-    monkeypatch.setattr(core_mod, "_find_jobs", find_then_remove)
+    monkeypatch.setattr(recovery, "_find_jobs", find_then_remove)
     core = new_core(root, catalog=tmp_path / "cat" / "catalog.sqlite")
     try:
         assert core.rebuild_from_storage() == 1

@@ -33,8 +33,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import ckpt
-from ckptd.coordinator.core import SaveRef
 from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.types import SaveRef
 from ckptd.errors import (
     CheckpointNotFound,
     CoordinatorUnavailable,

@@ -146,11 +146,12 @@ def test_finished_sessions_are_bounded_by_ranks(tmp_path: Path) -> None:
     not saves. Evicted saves are answered from the catalog."""
     from ckptd.coordinator import core
     from ckptd.coordinator.catalog import Catalog
+    from ckptd.coordinator.session import Session
 
     async def go() -> core.Coordinator:
         c = core.Coordinator(str(tmp_path), Catalog(str(tmp_path / "catalog.sqlite")))
         for step in range(1, 41):
-            s = core.Session("job", step, 0, 4096, 0)
+            s = Session("job", step, 0, 4096, 0)
             c.sessions[("job", step)] = s
             c._finish(s)
         return c

@@ -17,7 +17,7 @@ from coordinator_fixtures import TOKEN, RankSim, ServerThread, finished, serving
 from prometheus_client.parser import text_string_to_metric_families
 
 import ckpt
-from ckptd.coordinator.core import SaveRef, ShardReport
+from ckptd.coordinator.types import SaveRef, ShardReport
 from ckptd.server import ServerOptions
 from ckptd.server.client import CoordinatorClient
 from ckptd.server.metrics import Metrics, MetricsServer

@@ -18,7 +18,7 @@ from ckpt_testutil import list_files
 from coordinator_fixtures import RankSim, new_core, run, started
 
 import ckpt
-from ckptd.coordinator.core import SaveRef
+from ckptd.coordinator.types import SaveRef
 from ckptd.errors import CkptError, InvalidRequest, UnsafePath
 from ckptd.format import layout
 

@@ -27,8 +27,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ckpt
-from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.types import SaveRef, ShardReport
 from ckptd.errors import CkptError
 from ckptd.server import ServerOptions
 from ckptd.v1 import coordinator_pb2 as pb

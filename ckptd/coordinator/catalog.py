@@ -7,6 +7,12 @@ save whose shards were all reported, and to abort the rest. Storage stays the so
 truth for what is committed (promise 6): `rebuild_from_storage` recreates the catalog
 from manifests alone.
 
+Every statement is here: the core records a save's life through typed methods
+(`record_begin`, `record_draft`, `record_report`, `mark_committing`, `mark_committed`,
+`mark_aborted`, `mark_quarantined`, `record_tier`, `add_retiring`, `forget_retired`,
+`set_generation`, and `found_save`/`found_generation` for a rebuild), each one durable
+transaction shared with whatever else is queued (group commit).
+
 SQLite's locking is not safe on NFS/Lustre/other network filesystems, so opening a
 catalog there is refused unless explicitly allowed.
 """
@@ -22,6 +28,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ckptd.coordinator.types import (
+    ABORTED,
+    COMMITTED,
+    COMMITTING,
+    OPEN,
+    QUARANTINED,
+    TIER_REMOVED,
+    ShardReport,
+    StatusResult,
+)
 from ckptd.errors import CkptError
 from ckptd.storage.location import NETWORK_FS, filesystem_type
 
@@ -132,6 +148,14 @@ class SaveRecord:
     draft: str | None = None
     keep_last: int = 0
 
+    def answer(self) -> StatusResult:
+        """What a rank asking about this save is told (as Session.answer for a live one)."""
+        return StatusResult(self.status, self.reason, self.manifest_blake3)
+
+    def draft_doc(self) -> dict[str, Any] | None:
+        """The manifest's draft (`Catalog.record_draft`); None before the plan was made."""
+        return None if self.draft is None else json.loads(self.draft)
+
 
 def check_local(path: str) -> None:
     d = path if os.path.isdir(path) else os.path.dirname(path) or "."
@@ -161,7 +185,7 @@ class Catalog:
         migrate(self._wdb)
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckptd-catalog")
-        self._pending: list[tuple[str, tuple[Any, ...], asyncio.Future[None]]] = []
+        self._pending: list[tuple[list[tuple[str, tuple[Any, ...]]], asyncio.Future[None]]] = []
         self._flush_task: asyncio.Task[None] | None = None
 
     async def drain(self) -> None:
@@ -175,10 +199,11 @@ class Catalog:
         self._wdb.close()
 
     # -- group commit ------------------------------------------------------------------
-    async def write(self, sql: str, args: tuple[Any, ...]) -> None:
-        """Execute one statement durably; concurrent callers share one transaction/fsync."""
+    async def _write(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
+        """Execute statements durably, in one transaction; concurrent callers share one
+        transaction and one fsync."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((sql, args, fut))
+        self._pending.append((list(statements), fut))
         if self._flush_task is None or self._flush_task.done():
             self._flush_task = asyncio.get_running_loop().create_task(self._flush())
         await fut
@@ -192,15 +217,15 @@ class Catalog:
             batch, self._pending = self._pending, []
             try:
                 await loop.run_in_executor(
-                    self._writer, self._commit, [(q, a) for q, a, _ in batch]
+                    self._writer, self._commit, [st for sts, _ in batch for st in sts]
                 )
             except sqlite3.Error as e:
                 err = CatalogError(f"catalog {self.path}: write failed: {e}")
-                for _, _, fut in batch:
+                for _, fut in batch:
                     if not fut.done():
                         fut.set_exception(err)
                 continue
-            for _, _, fut in batch:
+            for _, fut in batch:
                 if not fut.done():
                     fut.set_result(None)
 
@@ -217,9 +242,151 @@ class Catalog:
                 pass
             raise
 
-    def execute(self, sql: str, args: tuple[Any, ...] = ()) -> None:
-        """Synchronous single statement (startup, recovery; no write may be in flight)."""
-        self._wdb.execute(sql, args)
+    # -- writes: a save's life ---------------------------------------------------------
+    async def record_attempt(self, job: str, attempt: str, generation: int) -> None:
+        await self._write(
+            (
+                "INSERT INTO attempts (job, attempt, generation) VALUES (?, ?, ?)",
+                (job, attempt, generation),
+            )
+        )
+
+    async def set_generation(self, job: str, generation: int) -> None:
+        """The job's newest generation (fencing: older ones are refused from now on)."""
+        await self._write((_SET_GENERATION, (job, generation)))
+
+    async def record_begin(
+        self, job: str, step: int, generation: int, world_size: int, keep_last: int = 0
+    ) -> None:
+        """A new save, OPEN (replacing an earlier generation's row of the step)."""
+        await self._write(
+            (
+                "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, "
+                "created_unix, keep_last) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (job, step, generation, world_size, OPEN, now(), keep_last),
+            )
+        )
+
+    async def record_draft(
+        self, job: str, step: int, generation: int, draft: dict[str, Any]
+    ) -> None:
+        """The manifest's draft (merged state, metadata), once the plan is made."""
+        await self._write(
+            (
+                "UPDATE saves SET draft=? WHERE job=? AND step=? AND generation=?",
+                (json.dumps(draft), job, step, generation),
+            )
+        )
+
+    async def record_report(
+        self, job: str, step: int, generation: int, rank: int, report: ShardReport
+    ) -> None:
+        """A rank's checked shard report, durable before the rank is told it was accepted."""
+        await self._write(
+            (
+                "INSERT OR REPLACE INTO reports (job, step, generation, rank, report) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (job, step, generation, rank, json.dumps(dataclasses.asdict(report))),
+            )
+        )
+
+    async def mark_committing(self, job: str, step: int, generation: int) -> None:
+        await self._write(
+            (
+                "UPDATE saves SET status=? WHERE job=? AND step=? AND generation=?",
+                (COMMITTING, job, step, generation),
+            )
+        )
+
+    async def mark_committed(
+        self,
+        job: str,
+        step: int,
+        generation: int,
+        manifest_blake3: str,
+        nbytes: int,
+        reason: str = "",
+    ) -> None:
+        """The manifest is written: COMMITTED; the draft and the reports are done with."""
+        await self._write(
+            (
+                "UPDATE saves SET status=?, reason=?, committed_unix=?, manifest_blake3=?, "
+                "bytes=?, draft=NULL WHERE job=? AND step=? AND generation=?",
+                (COMMITTED, reason, now(), manifest_blake3, nbytes, job, step, generation),
+            ),
+            _forget_reports(job, step, generation),
+        )
+
+    async def mark_aborted(self, job: str, step: int, generation: int, reason: str) -> None:
+        await self._write(
+            (
+                "UPDATE saves SET status=?, reason=?, draft=NULL "
+                "WHERE job=? AND step=? AND generation=?",
+                (ABORTED, reason[:4000], job, step, generation),
+            ),
+            _forget_reports(job, step, generation),
+        )
+
+    async def mark_quarantined(self, job: str, step: int, reason: str) -> None:
+        await self._write(
+            (
+                "UPDATE saves SET status=?, reason=? WHERE job=? AND step=?",
+                (QUARANTINED, reason, job, step),
+            )
+        )
+
+    # -- writes: tiers and retention ---------------------------------------------------
+    async def record_tier(
+        self, job: str, step: int, tier: str, url: str, status: str, reason: str = ""
+    ) -> None:
+        """What a tier holds of a step; REMOVED deletes the row."""
+        if status == TIER_REMOVED:
+            await self._write(
+                ("DELETE FROM tiers WHERE job=? AND step=? AND tier=?", (job, step, tier))
+            )
+            return
+        await self._write(
+            (
+                "INSERT OR REPLACE INTO tiers (job, step, tier, url, status, reason, "
+                "updated_unix) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (job, step, tier, url, status, reason[:4000], now()),
+            )
+        )
+
+    async def add_retiring(self, job: str, step: int) -> None:
+        """Listed before retention removes anything of the step: a restart finishes it."""
+        await self._write(("INSERT OR IGNORE INTO retiring (job, step) VALUES (?, ?)", (job, step)))
+
+    async def forget_retired(self, job: str, step: int) -> None:
+        """The step is gone from storage: its rows go, in one transaction."""
+        await self._write(
+            ("DELETE FROM saves WHERE job=? AND step=?", (job, step)),
+            ("DELETE FROM retiring WHERE job=? AND step=?", (job, step)),
+        )
+
+    # -- writes: a rebuild from storage (synchronous; no write may be in flight) --------
+    def found_save(self, rec: SaveRecord) -> None:
+        """A step found on storage, recorded as storage describes it."""
+        self._wdb.execute(
+            "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, reason, "
+            "bytes, created_unix, committed_unix, manifest_blake3) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                rec.job,
+                rec.step,
+                rec.generation,
+                rec.world_size,
+                rec.status,
+                rec.reason,
+                rec.bytes,
+                rec.created_unix,
+                rec.committed_unix,
+                rec.manifest_blake3,
+            ),
+        )
+
+    def found_generation(self, job: str, generation: int) -> None:
+        self._wdb.execute(_SET_GENERATION, (job, generation))
 
     # -- queries -----------------------------------------------------------------------
     def generation(self, job: str) -> int | None:
@@ -276,13 +443,20 @@ class Catalog:
         ).fetchall()
         return [TierRecord(*r) for r in rows]
 
-    def reports(self, job: str, step: int, generation: int) -> dict[int, dict[str, Any]]:
+    def reports(self, job: str, step: int, generation: int) -> dict[int, ShardReport]:
         rows = self.db.execute(
             "SELECT rank, report FROM reports WHERE job=? AND step=? AND generation=?",
             (job, step, generation),
         ).fetchall()
-        return {int(r): json.loads(rep) for r, rep in rows}
+        return {int(r): ShardReport(**json.loads(rep)) for r, rep in rows}
 
 
 def now() -> float:
     return time.time()
+
+
+_SET_GENERATION = "INSERT OR REPLACE INTO jobs (job, generation) VALUES (?, ?)"
+
+
+def _forget_reports(job: str, step: int, generation: int) -> tuple[str, tuple[Any, ...]]:
+    return ("DELETE FROM reports WHERE job=? AND step=? AND generation=?", (job, step, generation))

@@ -7,10 +7,7 @@ the core's event loop and must not block (a Prometheus counter increment is fine
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ckptd.coordinator.core import ShardReport
+from ckptd.coordinator.types import ShardReport
 
 # How a save ended, as observers see it: aborted by a rank, a lease, a barrier timeout or a
 # newer generation; failed when the coordinator's own checks or the commit itself failed.

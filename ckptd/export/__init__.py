@@ -10,6 +10,8 @@ whole, whatever the sharding at save time, in one of three formats:
   beside the output (removed afterwards), so memory holds no more than the page cache.
 - zarr: a Zarr v3 hierarchy written with tensorstore (ckptd.export.zarr).
 
+What the formats share (which tensors, the verified reader) is in ckptd.export.reading.
+
 Every tensor is read through ckptd.format.boxes: every block of every chunk is verified
 against its blake3 before it is written anywhere. The output appears under its final
 name only when complete (written under a temporary name, then renamed); a failed export
@@ -19,9 +21,7 @@ name only when complete (written under a temporary name, then renamed); a failed
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
-import math
 import os
 import shutil
 import struct
@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from ckptd.errors import CkptError, StateMismatch
+from ckptd.errors import CkptError
+from ckptd.export import zarr as zarr_export
+from ckptd.export.reading import Reader, Tensor, header_metadata, select
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import dtypes
-from ckptd.format.boxes import BoxRead, read_boxes, saved_entry
-from ckptd.format.checkpoint import OpenCheckpoint
 from ckptd.storage.base import Storage
 from ckptd.storage.local import fsync_dir
 
@@ -69,14 +69,6 @@ class ExportError(CkptError, ValueError):
 
 
 @dataclasses.dataclass
-class Tensor:
-    key: str
-    dtype: str
-    shape: list[int]
-    nbytes: int
-
-
-@dataclasses.dataclass
 class ExportResult:
     path: str
     format: str
@@ -86,56 +78,6 @@ class ExportResult:
     bytes_read: int  # bytes read and verified from the checkpoint
     seconds: float
     keys: list[str] = dataclasses.field(default_factory=list)
-
-
-def select(ck: OpenCheckpoint, keys: Sequence[str] | None) -> list[Tensor]:
-    """The step's tensors whose keys match any pattern ('x' also selects 'x/*'), sorted."""
-    out = []
-    matched: set[str] = set()
-    for key in sorted(ck.chunks):
-        if keys is not None:
-            hits = {
-                p for p in keys if fnmatch.fnmatchcase(key, p) or fnmatch.fnmatchcase(key, p + "/*")
-            }
-            if not hits:
-                continue
-            matched |= hits
-        e = saved_entry(ck, key)
-        out.append(
-            Tensor(key, e.dtype, list(e.shape), math.prod(e.shape) * dtypes.itemsize(e.dtype))
-        )
-    unmatched = [p for p in keys or () if p not in matched]
-    if unmatched:
-        raise StateMismatch(
-            f"{ck.storage.url} step {ck.step}: --keys {', '.join(map(repr, unmatched))} "
-            "matches no tensor (see `ckptctl inspect` for the keys)"
-        )
-    return out
-
-
-class Reader:
-    """Reads whole tensors of one step into caller buffers, counting bytes for progress."""
-
-    def __init__(
-        self,
-        ck: OpenCheckpoint,
-        progress: Callable[[int], None] | None = None,
-        threads: int | None = None,
-    ):
-        self.ck = ck
-        self.progress = progress
-        self.threads = threads
-        self.bytes_read = 0
-
-    def read(self, t: Tensor, out: np.ndarray) -> np.ndarray:
-        """Fill `out` (uint8, t.nbytes) with the tensor's bytes, C order, verified."""
-        self.bytes_read += read_boxes(
-            self.ck,
-            [BoxRead(t.key, [0] * len(t.shape), t.shape, out)],
-            threads=self.threads,
-            progress=self.progress,
-        )
-        return out
 
 
 def _scratch(path: str) -> str:
@@ -150,18 +92,6 @@ def _remove(path: str) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-def header_metadata(ck: OpenCheckpoint) -> dict[str, Any]:
-    m = ck.manifest
-    return {
-        "job": m.job,
-        "step": m.step,
-        "generation": m.generation,
-        "world_size": m.world_size,
-        "created_unix": m.created_unix,
-        "metadata": m.metadata,
-    }
 
 
 # ------------------------------------------------------------------------ safetensors
@@ -212,7 +142,7 @@ def write_safetensors(reader: Reader, tensors: Sequence[Tensor], out: str) -> No
 
 
 def write_torch(reader: Reader, tensors: Sequence[Tensor], out: str) -> None:
-    import torch
+    import torch  # heavy, and only this format needs it: imported when used
 
     align = 64
     offsets = []
@@ -280,8 +210,6 @@ def export_checkpoint(
         elif fmt == "torch":
             write_torch(reader, tensors, tmp)
         else:
-            from ckptd.export import zarr as zarr_export
-
             zarr_export.write_zarr(reader, tensors, tmp, keep_bfloat16=zarr_keep_bfloat16)
         if os.path.lexists(out):
             _remove(out)

@@ -27,15 +27,13 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ckptd.errors import CkptError
+from ckptd.export.reading import Reader, Tensor, header_metadata
 from ckptd.format import dtypes
-
-if TYPE_CHECKING:
-    from ckptd.export import Reader, Tensor
 
 CORE_TYPES = {
     "bool",
@@ -93,7 +91,7 @@ def storage_dtype(dtype: str, keep_bfloat16: bool) -> tuple[str, Any, str]:
     if dtype in CORE_TYPES:
         return dtype, np.dtype(dtype), "native"
     if dtype == "bfloat16" and keep_bfloat16:
-        import tensorstore as ts
+        import tensorstore as ts  # the optional `export` extra: imported when used
 
         return "bfloat16", ts.bfloat16.numpy_dtype, "native"
     bits = 8 * dtypes.itemsize(dtype)
@@ -110,9 +108,7 @@ def _write_group(path: str, attributes: dict[str, Any]) -> None:
 def write_zarr(
     reader: Reader, tensors: Sequence[Tensor], out: str, *, keep_bfloat16: bool = False
 ) -> None:
-    import tensorstore as ts
-
-    from ckptd.export import header_metadata
+    import tensorstore as ts  # the optional `export` extra: imported when used
 
     _write_group(out, {"ckptd": header_metadata(reader.ck)})
     groups: set[tuple[str, ...]] = {()}

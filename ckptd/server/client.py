@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 import grpc
 
 from ckptd.coordinator.catalog import SaveRecord
-from ckptd.coordinator.core import BeginResult, SaveRef, ShardReport, StatusResult
 from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport, StatusResult
 from ckptd.errors import CkptError, CoordinatorUnavailable
 from ckptd.server import converters as cv
 from ckptd.server.errors import error_from

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ckptd.coordinator import core
+from ckptd.coordinator import types
 from ckptd.coordinator.catalog import SaveRecord
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.errors import InvalidRequest
@@ -14,20 +14,20 @@ from ckptd.v1 import coordinator_pb2 as pb
 MAX_JSON_BYTES = 4 << 20
 
 STATUS_TO_PB = {
-    core.OPEN: pb.OPEN,
-    core.COMMITTING: pb.COMMITTING,
-    core.COMMITTED: pb.COMMITTED,
-    core.ABORTED: pb.ABORTED,
-    core.QUARANTINED: pb.QUARANTINED,
+    types.OPEN: pb.OPEN,
+    types.COMMITTING: pb.COMMITTING,
+    types.COMMITTED: pb.COMMITTED,
+    types.ABORTED: pb.ABORTED,
+    types.QUARANTINED: pb.QUARANTINED,
 }
 STATUS_FROM_PB = {v: k for k, v in STATUS_TO_PB.items()}
 
 
-def ref_from_pb(ref: pb.SaveRef) -> core.SaveRef:
-    return core.SaveRef(ref.job, ref.step, ref.generation, ref.rank, ref.world_size)
+def ref_from_pb(ref: pb.SaveRef) -> types.SaveRef:
+    return types.SaveRef(ref.job, ref.step, ref.generation, ref.rank, ref.world_size)
 
 
-def ref_to_pb(ref: core.SaveRef) -> pb.SaveRef:
+def ref_to_pb(ref: types.SaveRef) -> pb.SaveRef:
     return pb.SaveRef(
         job=ref.job,
         step=ref.step,
@@ -84,7 +84,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name}")
 
 
-def status_to_pb(r: core.StatusResult) -> pb.SaveStatus:
+def status_to_pb(r: types.StatusResult) -> pb.SaveStatus:
     return pb.SaveStatus(
         status=STATUS_TO_PB.get(r.status, pb.STATUS_UNSPECIFIED),
         reason=r.reason,
@@ -92,8 +92,8 @@ def status_to_pb(r: core.StatusResult) -> pb.SaveStatus:
     )
 
 
-def status_from_pb(s: pb.SaveStatus) -> core.StatusResult:
-    return core.StatusResult(
+def status_from_pb(s: pb.SaveStatus) -> types.StatusResult:
+    return types.StatusResult(
         STATUS_FROM_PB.get(s.status, "UNSPECIFIED"), s.reason, s.manifest_blake3
     )
 
@@ -113,8 +113,8 @@ def record_to_pb(r: SaveRecord) -> pb.CheckpointInfo:
     )
 
 
-def report_from_pb(req: pb.ReportShardRequest) -> core.ShardReport:
-    return core.ShardReport(
+def report_from_pb(req: pb.ReportShardRequest) -> types.ShardReport:
+    return types.ShardReport(
         req.shard_path,
         req.size,
         req.index_path,
@@ -128,7 +128,7 @@ def report_from_pb(req: pb.ReportShardRequest) -> core.ShardReport:
     )
 
 
-def report_to_pb(ref: pb.SaveRef, r: core.ShardReport) -> pb.ReportShardRequest:
+def report_to_pb(ref: pb.SaveRef, r: types.ShardReport) -> pb.ReportShardRequest:
     return pb.ReportShardRequest(
         ref=ref,
         shard_path=r.shard_path,
@@ -159,7 +159,7 @@ def record_from_pb(i: pb.CheckpointInfo) -> SaveRecord:
     )
 
 
-def begin_to_pb(r: core.BeginResult) -> pb.BeginSaveResponse:
+def begin_to_pb(r: types.BeginResult) -> pb.BeginSaveResponse:
     return pb.BeginSaveResponse(
         shard_path=r.shard_path,
         index_path=r.index_path,
@@ -170,7 +170,7 @@ def begin_to_pb(r: core.BeginResult) -> pb.BeginSaveResponse:
     )
 
 
-def begin_from_pb(r: pb.BeginSaveResponse) -> core.BeginResult:
-    return core.BeginResult(
+def begin_from_pb(r: pb.BeginSaveResponse) -> types.BeginResult:
+    return types.BeginResult(
         r.shard_path, r.index_path, list(r.write), r.lease_ms / 1000, list(r.warnings), r.complete
     )

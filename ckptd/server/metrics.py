@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from ckptd.coordinator import observer as obs
 
 if TYPE_CHECKING:
-    from ckptd.coordinator.core import Coordinator, ShardReport
+    from ckptd.coordinator.core import Coordinator
+    from ckptd.coordinator.types import ShardReport
 
 # Seconds: from a tiny test save to a multi-TB one on a slow filesystem.
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)

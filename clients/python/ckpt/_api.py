@@ -22,9 +22,7 @@ from ckpt._pending import PendingSave
 from ckpt._restore import LoadResult, load_checkpoint
 from ckpt._results import SaveResult
 from ckpt._save_job import SaveOptions
-from ckptd import knobs
-from ckptd.format import checkpoint as ckfmt
-from ckptd.format import recycle
+from ckptd.coordinator import retention
 from ckptd.storage import JobLocation, Storage, open_storage
 
 PathLike = str | os.PathLike[str]
@@ -150,30 +148,15 @@ def _close_shared() -> None:
 
 
 def apply_retention(storage: Storage, keep_last: int) -> list[int]:
-    """Remove committed steps beyond the newest `keep_last`, and debris older than the newest.
+    """Apply the retention rule to a job directory from storage alone; the steps removed.
 
-    Never removes the newest committed step, whatever keep_last says.
+    The same plan the coordinator carries out (ckptd.coordinator.retention, written in
+    docs/concepts.md): committed steps beyond the newest `keep_last`, quarantined steps
+    behind them, and unfinished step directories older than the newest committed step.
+    Never the newest committed step, nor a manifest it cannot read. It cannot see saves in
+    flight: run it where none is (a coordinator's own retention knows them).
     """
-    if keep_last < 1:
-        raise ValueError(
-            f"keep_last must be at least 1 (the newest checkpoint is always kept), got {keep_last}"
-        )
-    steps = ckfmt.list_steps(storage)
-    committed = [s.step for s in steps if s.status == ckfmt.COMMITTED]
-    if not committed:
-        return []
-    newest = committed[-1]
-    doomed = committed[:-keep_last]
-    # Debris is a step directory without a manifest. A manifest this reader cannot parse
-    # (a newer format, over a size limit, a transient error) is kept: it may be whole.
-    doomed += [s.step for s in steps if s.status == ckfmt.INCOMPLETE and s.step < newest]
-    keep_files = knobs.get().recycle_files
-    for step in sorted(doomed):
-        if step in committed:
-            recycle.retire_step(storage, step, keep_files=keep_files)
-        else:
-            ckfmt.remove_step(storage, step)
-    return sorted(doomed)
+    return retention.apply(storage, keep_last)
 
 
 def load(

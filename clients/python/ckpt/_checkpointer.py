@@ -36,7 +36,7 @@ from ckpt._results import SaveResult, check_metadata, log_saved
 from ckpt._save_job import SaveJob, SaveOptions
 from ckpt._staging import HostImage
 from ckpt._tiers import load_tiered
-from ckptd.coordinator.core import SaveRef, ShardReport
+from ckptd.coordinator.types import SaveRef, ShardReport
 from ckptd.errors import CheckpointNotFound, CkptError, CoordinatorUnavailable, SaveFailed
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt

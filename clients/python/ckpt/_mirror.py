@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ckptd.coordinator import retention
 from ckptd.errors import CheckpointNotFound, CkptError, ShardMissing
 from ckptd.format import layout
 from ckptd.format.mirror import MirrorResult, mirror_step
@@ -171,10 +172,8 @@ class MirrorUploader:
     def _retention(self) -> None:
         if self.keep_last is None:
             return
-        from ckpt._api import apply_retention
-
         try:
-            removed = apply_retention(self.mirror, self.keep_last)
+            removed = retention.apply(self.mirror, self.keep_last)
         except (CkptError, OSError) as e:
             log.warning("job %s: retention in mirror %s failed: %s", self.job, self.mirror.url, e)
             return

@@ -16,8 +16,8 @@ from typing import Any
 
 from ckpt._protocol import commit_for_ranks
 from ckptd import knobs
-from ckptd.coordinator.core import SaveRef, ShardReport
 from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.types import SaveRef, ShardReport
 from ckptd.format.manifest import ShardInfo
 from ckptd.format.writer import ShardWriter, WriteItem, plan_offsets
 from ckptd.server.client import CoordinatorClient

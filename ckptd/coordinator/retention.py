@@ -1,0 +1,196 @@
+"""Retention: which steps of a job to remove, decided once (docs/concepts.md, Retention).
+
+`plan` is the rule, a pure function from what is known of a job's steps to a frozen
+`RetentionPlan`. Every place that removes old steps asks it: the coordinator (after each
+commit with keep_last; it lists each retired step in the catalog's `retiring` table before
+removing it, so a restart finishes the removal), `ckpt.apply_retention` and the mirror
+(`apply`, from storage alone). The callers differ only in how they learn the steps' states
+(`from_catalog`, `from_storage`) and in what they record (`carry_out` records in the
+catalog, `apply` nothing); never in what is removed.
+
+The promise: never the newest committed step, never anything that has no committed step
+after it, never a save in flight, never a manifest that cannot be read (it may be whole).
+A later rule (rollbacks: a job's "live line" is what it saved last, not the largest step)
+changes `plan` alone: the states carry when each step was saved for that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Collection, Iterable, Mapping
+
+from ckptd import knobs
+from ckptd.coordinator.catalog import Catalog, SaveRecord
+from ckptd.coordinator.types import COMMITTED as SAVE_COMMITTED
+from ckptd.coordinator.types import COMMITTING as SAVE_COMMITTING
+from ckptd.coordinator.types import OPEN as SAVE_OPEN
+from ckptd.coordinator.types import QUARANTINED as SAVE_QUARANTINED
+from ckptd.errors import CkptError
+from ckptd.faults import crash_point
+from ckptd.format import checkpoint as ckfmt
+from ckptd.format import layout, recycle
+from ckptd.storage.base import Storage
+
+log = logging.getLogger("ckptd.coordinator")
+
+# What retention knows of a step.
+COMMITTED = "COMMITTED"  # whole; counts towards keep_last
+QUARANTINED = "QUARANTINED"  # committed, failed verification on load; never loaded again
+UNFINISHED = "UNFINISHED"  # a step directory without a manifest, no save in flight: debris
+IN_FLIGHT = "IN_FLIGHT"  # a save still open (planning, writing, committing): untouchable
+UNREADABLE = "UNREADABLE"  # a manifest that does not parse (newer format, too large): kept
+
+
+@dataclasses.dataclass(frozen=True)
+class StepState:
+    step: int
+    status: str
+    saved_unix: float = 0.0  # when it was saved (0: unknown); the order of a live line
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionPlan:
+    """What to remove: `retire` (committed or quarantined: un-publish, then remove, the
+    shard files recycled) and `debris` (step directories no save will finish)."""
+
+    retire: tuple[int, ...] = ()
+    debris: tuple[int, ...] = ()
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        """Every step the plan removes, oldest first (the order to remove them in)."""
+        return tuple(sorted(self.retire + self.debris))
+
+
+def plan(steps: Iterable[StepState], keep_last: int) -> RetentionPlan:
+    """The rule: keep the newest `keep_last` committed steps, remove what is behind them.
+
+    - committed steps older than the newest `keep_last` committed ones are retired;
+    - a quarantined step is retired once `keep_last` committed steps are newer than it;
+    - unfinished step directories older than the newest committed step are debris;
+    - nothing at or after the newest committed step, nothing in flight, nothing unreadable,
+      and nothing at all while no step is committed.
+    """
+    if keep_last < 1:
+        raise ValueError(
+            f"keep_last must be at least 1 (the newest checkpoint is always kept), got {keep_last}"
+        )
+    by_status: dict[str, list[int]] = {}
+    for s in steps:
+        by_status.setdefault(s.status, []).append(s.step)
+    committed = sorted(by_status.get(COMMITTED, []))
+    if not committed:
+        return RetentionPlan()
+    newest = committed[-1]
+    retire = committed[:-keep_last]
+    if len(committed) >= keep_last:
+        oldest_kept = committed[-keep_last]
+        retire += [q for q in by_status.get(QUARANTINED, []) if q < oldest_kept]
+    debris = [u for u in by_status.get(UNFINISHED, []) if u < newest]
+    return RetentionPlan(tuple(sorted(retire)), tuple(sorted(debris)))
+
+
+# -- what the callers know ---------------------------------------------------------------
+def from_storage(storage: Storage, in_flight: Collection[int] = ()) -> list[StepState]:
+    """The steps of a job directory as storage alone tells them (no catalog)."""
+    out = []
+    for info in ckfmt.list_steps(storage):
+        saved = info.manifest.created_unix if info.manifest is not None else 0.0
+        if info.step in in_flight:
+            status = IN_FLIGHT
+        elif info.status == ckfmt.COMMITTED:
+            status = COMMITTED
+        elif info.status == ckfmt.QUARANTINED:
+            status = QUARANTINED
+        elif info.status == ckfmt.INCOMPLETE:
+            status = UNFINISHED
+        else:  # INVALID: a manifest this reader cannot parse may still be whole
+            status = UNREADABLE
+        out.append(StepState(info.step, status, saved))
+    return out
+
+
+def from_catalog(
+    records: Iterable[SaveRecord], dirs: Mapping[int, bool], in_flight: Collection[int]
+) -> list[StepState]:
+    """The steps of a job as the coordinator knows them: its catalog's records, the step
+    directories in storage (step -> holds a manifest) and the saves it holds open.
+
+    The catalog decides for the steps it calls committed, quarantined or open; a directory
+    it has no such word for is debris without a manifest, and kept with one (a manifest
+    the catalog does not know is not the coordinator's to judge)."""
+    out: dict[int, StepState] = {}
+    for rec in records:
+        if rec.status == SAVE_COMMITTED:
+            out[rec.step] = StepState(rec.step, COMMITTED, rec.committed_unix)
+        elif rec.status == SAVE_QUARANTINED:
+            out[rec.step] = StepState(rec.step, QUARANTINED, rec.committed_unix)
+        elif rec.status in (SAVE_OPEN, SAVE_COMMITTING):
+            out[rec.step] = StepState(rec.step, IN_FLIGHT, rec.created_unix)
+    for step in in_flight:
+        out[step] = StepState(step, IN_FLIGHT)
+    for step, has_manifest in dirs.items():
+        if step not in out:
+            out[step] = StepState(step, UNREADABLE if has_manifest else UNFINISHED)
+    return sorted(out.values(), key=lambda s: s.step)
+
+
+def step_dirs(storage: Storage) -> dict[int, bool]:
+    """Each step directory of a job -> whether it holds a manifest (no manifest is read)."""
+    out = {}
+    for name in storage.listdir(""):
+        step = layout.parse_step_dir(name)
+        if step is not None:
+            out[step] = storage.exists(f"{name}/{layout.MANIFEST_NAME}")
+    return out
+
+
+# -- carrying a plan out -----------------------------------------------------------------
+def retire(storage: Storage, step: int) -> None:
+    """Remove a committed (or quarantined) step: manifest first, its shard files recycled."""
+    recycle.retire_step(storage, step, keep_files=knobs.get().recycle_files)
+
+
+def remove_debris(storage: Storage, step: int) -> None:
+    """Remove a step directory that holds no checkpoint."""
+    ckfmt.remove_step(storage, step)
+
+
+async def carry_out(
+    catalog: Catalog, st: Storage, job: str, p: RetentionPlan, began: Callable[[int], bool]
+) -> None:
+    """The coordinator's way to carry out a plan: each retired step is listed in the
+    catalog's `retiring` table before anything of it is removed, and its rows go after, so
+    a restart finishes exactly these steps (recovery). `began(step)`: a save of that step
+    opened since the plan was made (it is skipped)."""
+    for step in p.steps:
+        if began(step):
+            continue
+        retiring = step in p.retire
+        if retiring:
+            await catalog.add_retiring(job, step)
+        try:
+            await asyncio.to_thread(retire if retiring else remove_debris, st, step)
+        except (OSError, CkptError) as e:
+            log.warning("retention: could not remove job %s step %d: %s", job, step, e)
+            continue
+        if retiring:
+            # The widest window: the step is gone from storage, still listed in the catalog.
+            crash_point("coordinator.during_retention")
+            await catalog.forget_retired(job, step)
+
+
+def apply(storage: Storage, keep_last: int, in_flight: Collection[int] = ()) -> list[int]:
+    """Carry out the plan for a job directory from storage alone; the steps removed.
+
+    For callers without a coordinator's catalog (`ckpt.apply_retention`, a mirror). It
+    cannot see saves in flight: pass their steps, or run it where none can be."""
+    p = plan(from_storage(storage, in_flight), keep_last)
+    for step in p.steps:
+        if step in p.retire:
+            retire(storage, step)
+        else:
+            remove_debris(storage, step)
+    return list(p.steps)

@@ -1,0 +1,268 @@
+"""One save as the coordinator holds it: its in-memory state, its manifest, its files.
+
+A `Session` lives from the first BeginSave of (job, step, generation) to its commit or
+abort; the core keeps recently ended ones to answer retries. The manifest of a step is
+built in one place (`manifest_of`), from a live session or, after a restart, from the
+catalog's record of it; the files an aborted save leaves are removed by its generation's
+names only (`remove_rank_files`), never a manifest, never a file a manifest references.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from ckptd.coordinator import planning
+from ckptd.coordinator.types import ABORTED, OPEN, ShardReport, StatusResult
+from ckptd.errors import CkptError, SaveAborted
+from ckptd.format import checkpoint as ckfmt
+from ckptd.format import hashing, layout
+from ckptd.format.manifest import Manifest, load_json, parse_index
+from ckptd.storage import Storage
+
+log = logging.getLogger("ckptd.coordinator")
+
+ALIGNMENT = 4096  # the writer's entry alignment (format v1)
+
+
+@dataclasses.dataclass
+class RankPlan:
+    parts: int
+    received: dict[int, list[planning.ChunkPlan]] = dataclasses.field(default_factory=dict)
+    state: Any = None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.received) == self.parts
+
+    def chunks(self) -> list[planning.ChunkPlan]:
+        return [c for p in range(self.parts) for c in self.received[p]]
+
+
+class Session:
+    def __init__(self, job: str, step: int, generation: int, world_size: int, keep_last: int):
+        self.job, self.step, self.generation, self.world_size = job, step, generation, world_size
+        self.keep_last = keep_last
+        self.status = OPEN
+        self.reason = ""
+        self.plans: dict[int, RankPlan] = {}
+        self.assignment: planning.Assignment | None = None
+        self.chunks: dict[int, list[planning.ChunkPlan]] = {}
+        self.reports: dict[int, ShardReport] = {}
+        self.last_seen: dict[int, float] = {}
+        self.created = time.monotonic()
+        self.barrier_deadline = self.created
+        self.allow_divergent = False
+        self.planned: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.done: asyncio.Future[StatusResult] = asyncio.get_running_loop().create_future()
+        self.commit_task: asyncio.Task[None] | None = None
+        self.manifest_blake3 = ""
+        self.bytes = 0
+        self.state: Any = None  # merged state tree, once planned
+        self.block_sizes: dict[int, int] = {}  # from each reported index
+        self.metadata: dict[str, Any] = {}
+        self.all_reported = 0.0  # monotonic time of the last shard's report
+        self.abort_kind: type[CkptError] = SaveAborted  # what a rank arriving later gets
+
+    def fail(self, reason: str, kind: type[CkptError] = SaveAborted) -> None:
+        self.status, self.reason, self.abort_kind = ABORTED, reason, kind
+        if not self.planned.done():
+            self.planned.set_exception(kind(reason))
+            self.planned.exception()  # mark retrieved: not every rank may be waiting
+        if not self.done.done():
+            self.done.set_result(StatusResult(ABORTED, reason))
+
+    def overdue(self, now: float, lease_s: float) -> str | None:
+        """Why an open save must be aborted now (monotonic `now`), or None: ranks that did
+        not join before the barrier deadline, or, once planned, that stopped renewing their
+        lease before reporting."""
+        if self.status != OPEN:
+            return None
+        if self.assignment is None:
+            if now <= self.barrier_deadline:
+                return None
+            missing = [
+                r
+                for r in range(self.world_size)
+                if r not in self.plans or not self.plans[r].complete
+            ]
+            return f"ranks {_ranks(missing)} did not join within the barrier timeout"
+        silent = [
+            r
+            for r in range(self.world_size)
+            if r not in self.reports and now - self.last_seen.get(r, self.created) > lease_s
+        ]
+        if not silent:
+            return None
+        return (
+            f"rank(s) {_ranks(silent)} silent for over {lease_s:.0f}s "
+            "(lease expired; the process died or hung)"
+        )
+
+    def answer(self) -> StatusResult:
+        return StatusResult(self.status, self.reason, self.manifest_blake3)
+
+    def check_report(self, st: Storage, rank: int, report: ShardReport) -> None:
+        """The coordinator's own look at a reported shard (blocking: run in a thread): its
+        size, its index's hash, and that the index holds exactly the assigned chunks with
+        the planned hashes."""
+        sdir = layout.step_dir(self.step)
+        size = st.size(f"{sdir}/{report.shard_path}")
+        if size != report.size:
+            raise CkptError(
+                f"{st.url}/{sdir}/{report.shard_path} is {size} bytes, the rank reported {report.size}"
+            )
+        data = st.read_bytes(f"{sdir}/{report.index_path}", limit=report.index_size)
+        if len(data) != report.index_size or hashing.digest(data) != report.index_blake3:
+            raise CkptError(
+                f"{st.url}/{sdir}/{report.index_path} does not match the reported size/blake3"
+            )
+        assert self.assignment is not None
+        where = f"{st.url}/{sdir}/{report.index_path}"
+        doc = load_json(data, where)  # parsed once: the block size first, then the index
+        block_size = index_block_size(doc)
+        self.block_sizes[rank] = block_size
+        draft = manifest_of(self, block_size, {}, None)
+        shard = report.shard_info(rank)
+        index = parse_index(
+            None, manifest=draft, shard=shard, max_entries=10**7, what=where, doc=doc
+        )
+        planned = self.chunks[rank]
+        want = {
+            (planned[i].key, planned[i].chunk_offsets, planned[i].chunk_sizes): planned[i]
+            for i in self.assignment.write[rank]
+        }
+        got = {(e.key, tuple(e.chunk_offsets), tuple(e.chunk_sizes)): e for e in index.entries}
+        if set(want) != set(got):
+            missing = sorted(k[0] for k in set(want) - set(got))[:5]
+            extra = sorted(k[0] for k in set(got) - set(want))[:5]
+            raise CkptError(
+                f"shard index holds other chunks than assigned (missing {missing}, unexpected {extra})"
+            )
+        for k, c in want.items():
+            e = got[k]
+            if (
+                e.dtype != c.dtype
+                or e.length != c.length
+                or hashing.chunk_digest(e.blake3) != c.blake3
+            ):
+                raise CkptError(
+                    f"key {k[0]!r}: the shard holds other bytes than the rank planned (hash mismatch)"
+                )
+        self.bytes += report.size
+
+
+class SaveIdentity(Protocol):
+    """What names a save: a live Session or the catalog's SaveRecord of it."""
+
+    @property
+    def job(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def generation(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+
+
+def manifest_of(
+    save: SaveIdentity,
+    block_size: int,
+    reports: Mapping[int, ShardReport],
+    state: Any,
+    metadata: dict[str, Any] | None = None,
+) -> Manifest:
+    """The step's manifest: its shards are the ranks' reports, in rank order."""
+    return Manifest(
+        job=save.job,
+        step=save.step,
+        generation=save.generation,
+        world_size=save.world_size,
+        block_size=block_size,
+        alignment=ALIGNMENT,
+        shards=[rep.shard_info(r) for r, rep in sorted(reports.items())],
+        state=state,
+        metadata=metadata or {},
+    )
+
+
+def index_block_size(doc: Any) -> int:
+    """The hash block size a shard index (parsed JSON) declares."""
+    try:
+        return int(doc["block_size"])
+    except (ValueError, KeyError, TypeError):
+        raise CkptError("shard index is not a JSON object with a block_size") from None
+
+
+def one_block_size(step: int, sizes: Iterable[int]) -> int:
+    """The block size every rank used; ranks that disagree fail the save, saying the fix."""
+    distinct = set(sizes)
+    if len(distinct) != 1:
+        raise CkptError(
+            f"step {step}: ranks used different hash block sizes {sorted(distinct)}; "
+            "set CKPT_BLOCK_SIZE equally on every rank"
+        )
+    return distinct.pop()
+
+
+def reported_block_size(st: Storage, step: int, reports: Mapping[int, ShardReport]) -> int:
+    """The block size of a step's reported shards, read from their indexes (recovery)."""
+    sizes = []
+    for rep in reports.values():
+        where = f"{layout.step_dir(step)}/{rep.index_path}"
+        data = st.read_bytes(where, limit=rep.index_size)
+        sizes.append(index_block_size(load_json(data, f"{st.url}/{where}")))
+    return one_block_size(step, sizes)
+
+
+def remove_rank_files(st: Storage, step: int, generation: int, rank: int) -> None:
+    """Remove one rank's files of an aborted save: its own generation's names only, never
+    a manifest, never a file the step's manifest (of another generation) references."""
+    sdir = layout.step_dir(step)
+    referenced: set[str] = set()
+    if st.exists(f"{sdir}/{layout.MANIFEST_NAME}"):
+        try:
+            m = ckfmt.read_manifest(st, step)
+        except CkptError:
+            return  # cannot tell what the committed step needs: touch nothing
+        referenced = {x for sh in m.shards for x in (sh.path, sh.index)}
+    for name in (layout.shard_name(rank, generation), layout.index_name(rank, generation)):
+        if name in referenced:
+            continue
+        try:
+            st.remove_tree(f"{sdir}/{name}")
+        except (OSError, CkptError) as e:
+            log.warning("could not remove %s/%s/%s: %s", st.url, sdir, name, e)
+
+
+def remove_empty_step(st: Storage, step: int) -> None:
+    """Remove a step directory that an abort left empty (no manifest, no shard of any
+    generation), so an aborted save leaves nothing behind. A save of the same step by a
+    newer generation writes there only after its BeginSave; were one to start in between,
+    its shard would fail verification and its save abort: never a commit of a partial step."""
+    sdir = layout.step_dir(step)
+    try:
+        names = st.listdir(sdir)
+        if set(names) <= {layout.SHARDS_DIR} and not st.listdir(f"{sdir}/{layout.SHARDS_DIR}"):
+            st.remove_tree(sdir)
+    except (OSError, CkptError) as e:
+        log.warning("could not remove the empty step directory %s/%s: %s", st.url, sdir, e)
+
+
+def remove_generation_files(st: Storage, step: int, generation: int, world_size: int) -> None:
+    """Remove every rank's files of an aborted save (`remove_rank_files`), then the step
+    directory if that left it empty (recovery: no save is live yet)."""
+    for r in range(world_size):
+        remove_rank_files(st, step, generation, r)
+    remove_empty_step(st, step)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (
+        f" (+{len(ranks) - 16} more)" if len(ranks) > 16 else ""
+    )
