@@ -17,7 +17,8 @@ import time
 from typing import TYPE_CHECKING, Any, overload
 
 from ckpt._flatten import flatten
-from ckpt._restore import LoadResult, load_checkpoint
+from ckpt._load import load_from_tiers
+from ckpt._restore import LoadResult
 from ckptd import knobs
 from ckptd.errors import UnsupportedValue
 from ckptd.format import checkpoint as ckfmt
@@ -325,8 +326,8 @@ def load(
     into tensors of another dtype. fallback (no explicit step): when the newest step fails
     verification, quarantine it and load the previous one (see docs/restore.md).
     """
-    return load_checkpoint(
-        open_storage(path),
+    return load_from_tiers(
+        [("local", open_storage(path))],
         state,
         step=step,
         strict=strict,

@@ -32,11 +32,10 @@ from ckpt import _hooks, _resume, _world
 from ckpt._api import LoadResult, SaveResult, _check_metadata, log_saved
 from ckpt._embedded import EmbeddedCoordinator
 from ckpt._flatten import flatten
+from ckpt._load import load_from_tiers
 from ckpt._mirror import MirrorUploader
 from ckpt._pending import PendingSave
-from ckpt._restore import load_checkpoint
 from ckpt._staging import HostImage, stage
-from ckpt._tiers import load_tiered
 from ckpt._transport import CoordinatorClient
 from ckptd import knobs
 from ckptd.coordinator.core import SaveRef, ShardReport
@@ -567,21 +566,8 @@ class Checkpointer:
         every rank of an initialized process group must call this (they agree on the step).
         """
         self._check_open()
-        if self.mirror_storage is not None:
-            return load_tiered(
-                self.tiers,
-                state,
-                step=step,
-                strict=strict,
-                keys=keys,
-                cast=cast,
-                rank=self.rank,
-                fallback=fallback,
-                on_quarantine=self._tier_quarantined,
-                catalog_blake3=self._catalog_blake3,
-            )
-        return load_checkpoint(
-            self.storage,
+        return load_from_tiers(
+            self.tiers,
             state,
             step=step,
             strict=strict,
@@ -589,7 +575,7 @@ class Checkpointer:
             cast=cast,
             fallback=fallback,
             rank=self.rank,
-            on_quarantine=self._quarantined,
+            on_quarantine=self._tier_quarantined,
             catalog_blake3=self._catalog_blake3,
         )
 
