@@ -206,7 +206,7 @@ def load_from_tiers(
                 "this rank's load is abandoned so that all ranks stay at the same step"
             ) from next((f.error for f in mine if f.error is not None), None)
         if agreed == _OK and res is not None:
-            return _finish(res, failures, t0)
+            return _finish(res, failures + mine, t0)
         if not mine:  # this rank loaded the step; another could not
             mine = [
                 _Failure(
