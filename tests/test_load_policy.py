@@ -91,9 +91,7 @@ def test_the_same_damage_gives_the_same_result_with_and_without_a_mirror(
     assert ckfmt.quarantine_reason(open_storage(mem_mirror), 2) is not None
 
 
-def test_a_load_by_explicit_step_marks_nothing_in_any_tier(
-    tmp_path: Path, mem_mirror: str
-) -> None:
+def test_a_load_by_explicit_step_marks_nothing_in_any_tier(tmp_path: Path, mem_mirror: str) -> None:
     plain, mirrored = str(tmp_path / "plain"), str(tmp_path / "mirrored")
     with ckpt.Checkpointer(plain) as cp:
         save_steps(cp, 1, 2)

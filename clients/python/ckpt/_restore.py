@@ -51,7 +51,10 @@ class LoadResult:
     # saved keys the state has no place for (not loaded).
     missing_keys: list[str] = dataclasses.field(default_factory=list)
     unexpected_keys: list[str] = dataclasses.field(default_factory=list)
-    # Set when the newest committed step failed verification and an older one was loaded.
+    # The load policy's account (ckpt._load): fell_back_from is the first step tried when
+    # an older one was loaded; fallback_reason every copy that failed (also when another
+    # tier's copy of the same step loaded); quarantined the steps whose copies this rank
+    # marked.
     fell_back_from: int | None = None
     fallback_reason: str | None = None
     quarantined: list[int] = dataclasses.field(default_factory=list)
