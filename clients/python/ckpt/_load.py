@@ -55,22 +55,23 @@ def _listings(tiers: Sequence[Tier]) -> list[list[ckfmt.StepInfo]]:
     nothing while another tier holds a committed step; when none does, its error is raised,
     so an unreachable store never reads as "no checkpoint yet" (a silent fresh start)."""
     out: list[list[ckfmt.StepInfo]] = []
-    errors: list[Exception] = []
+    errors: list[tuple[str, Storage, Exception]] = []
     for name, st in tiers:
         try:
             out.append(ckfmt.list_steps(st))
         except Exception as e:  # noqa: BLE001 - any store client error: that tier is out
-            log.error(
-                "the %s tier %s cannot be listed (%s: %s); loading from the other tiers",
-                name,
-                st.url,
-                type(e).__name__,
-                e,
-            )
-            errors.append(e)
+            errors.append((name, st, e))
             out.append([])
     if errors and not any(s.status == ckfmt.COMMITTED for steps in out for s in steps):
-        raise errors[0]
+        raise errors[0][2]
+    for name, st, err in errors:
+        log.error(
+            "the %s tier %s cannot be listed (%s: %s); loading from the other tiers",
+            name,
+            st.url,
+            type(err).__name__,
+            err,
+        )
     return out
 
 
@@ -157,11 +158,21 @@ def load_from_tiers(
     t0 = time.perf_counter()
     choose = step is None and fallback
     # An explicit step is asked of every tier: nothing to list.
-    held = holders(tiers) if step is None else {}
+    unlisted: Exception | None = None
+    try:
+        held = holders(tiers) if step is None else {}
+    except Exception as e:  # noqa: BLE001 - raised below, once the peers know
+        if not choose:
+            raise
+        # The peers wait in the first agreement: take part holding nothing (so every rank
+        # stops), then raise this rank's own error.
+        held, unlisted = {}, e
     if step is not None:
         at = layout.check_step(step)
     elif choose:
         at = _agreed_newest(held, None)
+        if unlisted is not None:
+            raise unlisted
     else:
         at = max(held, default=-1)  # fallback=False: this rank's newest, no collective
     if at < 0 and not held:
