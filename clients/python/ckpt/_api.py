@@ -18,8 +18,9 @@ from typing import Any, overload
 
 from ckpt import _default, _world
 from ckpt._checkpointer import Checkpointer
+from ckpt._load import load_from_tiers
 from ckpt._pending import PendingSave
-from ckpt._restore import LoadResult, load_checkpoint
+from ckpt._restore import LoadResult
 from ckpt._results import SaveResult
 from ckpt._save_job import SaveOptions
 from ckptd.coordinator import retention
@@ -183,8 +184,8 @@ def load(
     into tensors of another dtype. fallback (no explicit step): when the newest step fails
     verification, quarantine it and load the previous one (see docs/restore.md).
     """
-    return load_checkpoint(
-        open_storage(path),
+    return load_from_tiers(
+        [("local", open_storage(path))],
         state,
         step=step,
         strict=strict,

@@ -28,14 +28,14 @@ from typing import Any
 from ckpt import _hooks, _resume, _world
 from ckpt._connect import connect
 from ckpt._flatten import flatten
+from ckpt._load import load_from_tiers
 from ckpt._mirror import MirrorUploader
 from ckpt._pending import PendingSave
 from ckpt._protocol import RankSave
-from ckpt._restore import LoadResult, load_checkpoint
+from ckpt._restore import LoadResult
 from ckpt._results import SaveResult, check_metadata, log_saved
 from ckpt._save_job import SaveJob, SaveOptions
 from ckpt._staging import HostImage
-from ckpt._tiers import load_tiered
 from ckptd.coordinator.types import SaveRef, ShardReport
 from ckptd.errors import CheckpointNotFound, CkptError, CoordinatorUnavailable, SaveFailed
 from ckptd.faults import crash_point
@@ -57,7 +57,7 @@ class Checkpointer:
     mirror: a second tier (an fsspec URL such as "s3://bucket/job", a path, or a Storage
         built with its own options, e.g. FsspecStorage(url, endpoint_url=...)): each
         committed step is copied there in the background, read back and verified, and
-        committed there too (ckpt._mirror); loads fall back to it (ckpt._tiers).
+        committed there too (ckpt._mirror); loads fall back to it (ckpt._load).
     mirror_keep_last: retention in the mirror (None: keep all); independent of keep_last.
     mirror_close_timeout_s: how long close() waits for the last copy to the mirror.
     attempt: names this launch of the job (see ckpt._world); older attempts are fenced.
@@ -385,21 +385,8 @@ class Checkpointer:
         every rank of an initialized process group must call this (they agree on the step).
         """
         self._check_open()
-        if self.mirror_storage is not None:
-            return load_tiered(
-                self.tiers,
-                state,
-                step=step,
-                strict=strict,
-                keys=keys,
-                cast=cast,
-                rank=self.rank,
-                fallback=fallback,
-                on_quarantine=self._tier_quarantined,
-                catalog_blake3=self._catalog_blake3,
-            )
-        return load_checkpoint(
-            self.storage,
+        return load_from_tiers(
+            self.tiers,
             state,
             step=step,
             strict=strict,
@@ -407,7 +394,7 @@ class Checkpointer:
             cast=cast,
             fallback=fallback,
             rank=self.rank,
-            on_quarantine=self._quarantined,
+            on_quarantine=self._tier_quarantined,
             catalog_blake3=self._catalog_blake3,
         )
 

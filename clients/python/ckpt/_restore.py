@@ -12,9 +12,8 @@ destination; a saved chunk of the same box as the wanted one is one contiguous r
 Objects with load_state_dict() get their state after all reads, children before parents;
 assignments into the caller's dicts and lists happen only after every read succeeded.
 
-`load_checkpoint` adds the policy around one load: which step, and what to do when the
-newest committed step fails verification (fall back to the previous one, quarantine the
-bad one, say so loudly; under torch.distributed every rank agrees on the step).
+`restore_step` restores one step from one storage. The policy around it (which step,
+which tier's copy, what a failure means, the ranks agreeing) is ckpt._load's.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import logging
 import time
 from collections.abc import Callable, MutableMapping, MutableSequence, Sequence
 from typing import Any
@@ -31,15 +29,13 @@ import numpy as np
 import torch
 
 from ckpt._flatten import PerRank, _component, is_stateful, readable_in_place, tensor_bytes
-from ckptd.errors import CkptError, CorruptCheckpoint, InvalidManifest, StateMismatch
+from ckptd.errors import InvalidManifest, StateMismatch
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import dtypes, layout, values
 from ckptd.format.boxes import BoxRead, read_boxes, saved_entry
 from ckptd.format.checkpoint import OpenCheckpoint
 from ckptd.format.manifest import IndexEntry
 from ckptd.storage.base import Storage
-
-log = logging.getLogger("ckpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +51,10 @@ class LoadResult:
     # saved keys the state has no place for (not loaded).
     missing_keys: list[str] = dataclasses.field(default_factory=list)
     unexpected_keys: list[str] = dataclasses.field(default_factory=list)
-    # Set when the newest committed step failed verification and an older one was loaded.
+    # The load policy's account (ckpt._load): fell_back_from is the first step tried when
+    # an older one was loaded; fallback_reason every copy that failed (also when another
+    # tier's copy of the same step loaded); quarantined the steps whose copies this rank
+    # marked.
     fell_back_from: int | None = None
     fallback_reason: str | None = None
     quarantined: list[int] = dataclasses.field(default_factory=list)
@@ -455,195 +454,41 @@ class Planner:
         return total
 
 
-# ------------------------------------------------------------------------ load policy
+# ------------------------------------------------------------------------ one step
 
 
-def _reduce_max(value: int) -> int:
-    """The largest `value` over all ranks when a process group is initialized (a collective)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-_OK, _CORRUPT, _FAILED = 0, 1, 2
-
-
-def _load_step(
+def restore_step(
     storage: Storage,
     state: Any,
     step: int,
     *,
-    strict: bool,
-    keys: str | Sequence[str] | None,
-    cast: bool,
-    rank: int,
-    threads: int | None,
+    strict: bool = True,
+    keys: str | Sequence[str] | None = None,
+    cast: bool = False,
+    rank: int = 0,
+    threads: int | None = None,
     manifest_blake3: str | None = None,
-) -> tuple[OpenCheckpoint, Planner, Any, int]:
-    ck = ckfmt.open_checkpoint(storage, step, manifest_blake3=manifest_blake3)
+) -> LoadResult:
+    """Open `step` of `storage` (markers are not consulted), plan `state` against it, read it.
+
+    manifest_blake3: the digest the coordinator's catalog recorded at commit (None: storage
+    alone is trusted); a manifest that differs is CorruptCheckpoint. Which step to load,
+    from which tier, and what a failure means is the load policy's (ckpt._load).
+    """
+    t0 = time.perf_counter()
+    ck = ckfmt.open_checkpoint(storage, layout.check_step(step), manifest_blake3=manifest_blake3)
     planner = Planner(ck, strict=strict, rank=rank, keys=keys, cast=cast)
     restored = planner.restore(ck.manifest.state, state, "")
     planner.check()
     nbytes = planner.read(threads=threads)
-    return ck, planner, restored, nbytes
-
-
-def load_checkpoint(
-    storage: Storage,
-    state: Any,
-    *,
-    step: int | None = None,
-    strict: bool = True,
-    keys: str | Sequence[str] | None = None,
-    cast: bool = False,
-    fallback: bool = True,
-    rank: int = 0,
-    threads: int | None = None,
-    on_quarantine: Callable[[int, str], None] | None = None,
-    catalog_blake3: Callable[[int], str | None] | None = None,
-) -> LoadResult:
-    """Load `step` (default: the newest committed, not quarantined) into `state`.
-
-    Without an explicit step and with fallback=True, a step that fails verification
-    (CorruptCheckpoint: a hash mismatch, a missing or truncated shard, a bad index) is
-    quarantined (ckptd.format.checkpoint.quarantine; on_quarantine(step, reason) is called
-    too, e.g. to tell the coordinator) and the next older committed step is loaded, with a
-    warning. Under an initialized torch.distributed process group every rank must call
-    this: the ranks agree (one all_reduce per step tried) so that all of them load the same
-    step even when only one rank's reads hit the damage.
-
-    catalog_blake3(step): the manifest digest the coordinator's catalog recorded at commit
-    (None: the catalog does not know the step, storage alone is trusted); a manifest that
-    differs is CorruptCheckpoint, like any other damage.
-    """
-    t0 = time.perf_counter()
-    patterns = _keys_patterns(keys)
-
-    def finish(
-        ck: OpenCheckpoint, planner: Planner, restored: Any, nbytes: int, **kw: Any
-    ) -> LoadResult:
-        seconds = time.perf_counter() - t0
-        log.info("loaded step %d: %.2f GB in %.2f s", ck.step, nbytes / 1e9, seconds)
-        return LoadResult(
-            step=ck.step,
-            path=f"{storage.url}/{layout.step_dir(ck.step)}",
-            bytes=nbytes,
-            seconds=seconds,
-            tensors=len(planner.dests),
-            metadata=ck.manifest.metadata,
-            state=restored,
-            missing_keys=list(planner.missing),
-            unexpected_keys=list(planner.unexpected),
-            **kw,
-        )
-
-    def attempt(at: int) -> tuple[OpenCheckpoint, Planner, Any, int]:
-        return _load_step(
-            storage,
-            state,
-            at,
-            strict=strict,
-            keys=patterns,
-            cast=cast,
-            rank=rank,
-            threads=threads,
-            manifest_blake3=catalog_blake3(at) if catalog_blake3 is not None else None,
-        )
-
-    if step is not None or not fallback:
-        return finish(*attempt(ckfmt.resolve_step(storage, step)))
-
-    candidates = ckfmt.committed_steps(storage)
-    if not candidates:
-        ckfmt.resolve_step(storage, None)  # raises CheckpointNotFound with the details
-    # Every rank starts from the same step (one may already see a marker another wrote).
-    current = -_reduce_max(-candidates[0])
-    failures: list[tuple[int, str, bool]] = []
-    first_error: CkptError | None = None
-    while True:
-        error: BaseException | None = None
-        try:
-            loaded = attempt(current)
-        except CorruptCheckpoint as e:
-            error, code = e, _CORRUPT
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the ranks agree
-            error, code = e, _FAILED
-        else:
-            code = _OK
-        agreed = _reduce_max(code)
-        if agreed == _FAILED:
-            if error is not None and code == _FAILED:
-                raise error
-            raise CkptError(
-                f"{storage.url} step {current}: another rank failed to load it (see its log); "
-                "this rank's load is abandoned so that all ranks stay at the same step"
-            ) from error
-        if agreed == _OK:
-            ck, planner, restored, nbytes = loaded
-            if not failures:
-                return finish(ck, planner, restored, nbytes)
-            log.warning(
-                "loaded step %d instead of step %d, which failed verification: %s",
-                ck.step,
-                failures[0][0],
-                failures[0][1],
-            )
-            return finish(
-                ck,
-                planner,
-                restored,
-                nbytes,
-                fell_back_from=failures[0][0],
-                fallback_reason=failures[0][1],
-                quarantined=[s for s, _, q in failures if q],
-            )
-        # Some rank found this step corrupt (or could not read it).
-        quarantined = False
-        if error is not None:
-            reason = f"rank {rank}: {error}"
-            if first_error is None and isinstance(error, CkptError):
-                first_error = error
-            if isinstance(error.__cause__, OSError):
-                # The device refused a read (EIO, a vanished mount): maybe transient, so the
-                # step is skipped this time but not quarantined; the next load tries it again.
-                log.error("%s step %d could not be read; not quarantined", storage.url, current)
-            else:
-                try:
-                    ckfmt.quarantine(storage, current, reason)
-                    quarantined = True
-                    if on_quarantine is not None:
-                        on_quarantine(current, reason)
-                except (CkptError, OSError) as e:
-                    log.error("could not quarantine %s step %d: %s", storage.url, current, e)
-        else:
-            reason = f"another rank found step {current} corrupt or unreadable (see its log)"
-        failures.append((current, reason, quarantined))
-        older = [s for s in candidates if s < current]
-        log.error(
-            "CHECKPOINT STEP %d OF %s FAILED VERIFICATION%s (%s); %s",
-            current,
-            storage.url,
-            " AND IS QUARANTINED" if quarantined else "",
-            reason,
-            f"falling back to step {older[0]}" if older else "no older committed step to load",
-        )
-        if not older:
-            summary = "; ".join(f"step {s}: {r}" for s, r, _ in failures)
-            # The first failure's type (HashMismatch, ShardMissing...), every step's story.
-            kind = type(first_error) if first_error is not None else CorruptCheckpoint
-            err = kind(
-                f"{storage.url}: no committed step could be loaded; every one failed "
-                f"verification or could not be read: {summary}. Nothing valid was loaded "
-                "(tensors may hold verified bytes of a failed step); restore from a replica"
-            )
-            raise err from first_error
-        current = -_reduce_max(-older[0])
+    return LoadResult(
+        step=ck.step,
+        path=f"{storage.url}/{layout.step_dir(ck.step)}",
+        bytes=nbytes,
+        seconds=time.perf_counter() - t0,
+        tensors=len(planner.dests),
+        metadata=ck.manifest.metadata,
+        state=restored,
+        missing_keys=list(planner.missing),
+        unexpected_keys=list(planner.unexpected),
+    )

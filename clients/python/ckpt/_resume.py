@@ -1,10 +1,10 @@
 """Resume: load the newest checkpoint that is whole, or say clearly that there is none.
 
-The work of choosing is the load's (ckpt._restore.load_checkpoint with fallback): the
-newest committed step is tried first; a step that fails verification on any rank
-(CorruptCheckpoint: a hash mismatch, a missing or truncated shard, a bad index) is
-quarantined and the previous one is tried, every rank agreeing on the step. What resume
-adds is the policy around it:
+The work of choosing is the load's (ckpt._load.load_from_tiers with fallback): the
+newest committed step is tried first, in every tier that holds it; a step that fails
+verification on any rank (CorruptCheckpoint: a hash mismatch, a missing or truncated
+shard, a bad index) is quarantined and the previous one is tried, every rank agreeing on
+the step. What resume adds is the policy around it:
 
 - every step it passes over is logged with the reason: a step directory without a
   manifest (a save that never committed: aborted, or a rank killed mid-write), a manifest
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ckpt._tiers import tier_steps
+from ckpt._load import tier_steps
 from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
 from ckptd.format import checkpoint as ckfmt
 
@@ -31,9 +31,9 @@ log = logging.getLogger("ckpt")
 
 
 def resume(cp: Checkpointer, state: Any, *, allow_fresh_start: bool, strict: bool) -> int | None:
-    # With a mirror, a step counts when any tier holds it (a wiped local disk resumes
-    # from the mirror, not from scratch).
-    steps = tier_steps(cp.tiers) if cp.mirror_storage is not None else ckfmt.list_steps(cp.storage)
+    # A step counts when any tier holds it (a wiped local disk resumes from the mirror,
+    # not from scratch); a job without a mirror is one tier.
+    steps = tier_steps(cp.tiers)
     lead = cp.rank == 0  # one rank tells what storage holds; every rank tells its own failures
     skipped = [s for s in reversed(steps) if s.status != ckfmt.COMMITTED]
     for s in skipped:

@@ -1,0 +1,365 @@
+"""The load policy: which step, which copy, what a failure means. One function for every load.
+
+A job has one tier (its directory) or several, nearest first (the directory, then a
+mirror); a load is `load_from_tiers(tiers, state, ...)` either way. Restoring one step
+from one storage is ckpt._restore's; this module decides around it:
+
+- Which step. An explicit `step` is that step, whatever markers say. Otherwise the newest
+  step that is committed (manifest present, not quarantined) in some tier, in the view of
+  every rank (see _agreed_newest for why every rank's view, not any rank's).
+- Which copies. For that step, each tier's copy nearest first: with an explicit step every
+  tier is asked (each says why not); otherwise the copies this rank sees committed. A
+  rank stops at its first copy that loads; ranks need not agree on the tier, since every
+  copy of a step is the same bytes and every byte is verified.
+- What a failure is. Damage (CorruptCheckpoint: a hash mismatch, a missing or truncated
+  shard, a bad index or manifest) and unreadable (an OSError: the device refused a read,
+  the tier is unreachable, the step is not in that tier) send the rank to the next copy;
+  anything else (StateMismatch: the target does not match) fails the load at once.
+- Fallback. Only a load that chooses its step (no explicit step, fallback=True) moves on
+  to older steps: when any rank could load no copy of the step, every rank moves to the
+  next older one together (one all_reduce per decision, ckpt._agree), and only such a
+  load quarantines: a damaged copy gets QUARANTINED.json in its tier (kept if a peer wrote
+  it first) and on_quarantine(tier, step, reason) is called; an unreadable copy is skipped
+  unmarked (the error may be transient). A load by explicit step, or with fallback=False,
+  tries that one step's copies, marks nothing, uses no collective (any subset of ranks may
+  call it), and raises when none loads.
+- The final error has the type of this rank's first failure and lists every step and copy
+  tried, with what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ckpt._agree import agree_max, agree_min
+from ckpt._restore import LoadResult, restore_step
+from ckptd.errors import CheckpointNotFound, CkptError, CorruptCheckpoint
+from ckptd.format import checkpoint as ckfmt
+from ckptd.format import layout
+from ckptd.storage.base import Storage
+
+log = logging.getLogger("ckpt")
+
+Tier = tuple[str, Storage]  # (name, storage), nearest first
+
+# A rank's outcome for one step, agreed as the largest over the ranks.
+_OK, _NEXT, _FAILED = 0, 1, 2
+
+
+def _listings(tiers: Sequence[Tier]) -> list[list[ckfmt.StepInfo]]:
+    """Each tier's steps. A tier that cannot be listed (the mirror down) counts as holding
+    nothing while another tier holds a committed step; when none does, its error is raised,
+    so an unreachable store never reads as "no checkpoint yet" (a silent fresh start)."""
+    out: list[list[ckfmt.StepInfo]] = []
+    errors: list[tuple[str, Storage, Exception]] = []
+    for name, st in tiers:
+        try:
+            out.append(ckfmt.list_steps(st))
+        except Exception as e:  # noqa: BLE001 - any store client error: that tier is out
+            errors.append((name, st, e))
+            out.append([])
+    if errors and not any(s.status == ckfmt.COMMITTED for steps in out for s in steps):
+        raise errors[0][2]
+    for name, st, err in errors:
+        log.error(
+            "the %s tier %s cannot be listed (%s: %s); loading from the other tiers",
+            name,
+            st.url,
+            type(err).__name__,
+            err,
+        )
+    return out
+
+
+_RANK = {ckfmt.COMMITTED: 0, ckfmt.QUARANTINED: 1, ckfmt.INVALID: 2, ckfmt.INCOMPLETE: 3}
+
+
+def tier_steps(tiers: Sequence[Tier]) -> list[ckfmt.StepInfo]:
+    """Each step's best status over the tiers (COMMITTED when any tier holds it whole)."""
+    best: dict[int, ckfmt.StepInfo] = {}
+    for steps in _listings(tiers):
+        for s in steps:
+            old = best.get(s.step)
+            if old is None or _RANK.get(s.status, 9) < _RANK.get(old.status, 9):
+                best[s.step] = s
+    return [best[k] for k in sorted(best)]
+
+
+def holders(tiers: Sequence[Tier]) -> dict[int, list[str]]:
+    """For each step, the names of the tiers whose copy is committed (not quarantined)."""
+    out: dict[int, list[str]] = {}
+    for (name, _), steps in zip(tiers, _listings(tiers), strict=True):
+        for s in steps:
+            if s.status == ckfmt.COMMITTED:
+                out.setdefault(s.step, []).append(name)
+    return {k: out[k] for k in sorted(out)}
+
+
+def _agreed_newest(held: dict[int, list[str]], below: int | None) -> int:
+    """The newest step older than `below` that every rank sees committed in some tier; -1
+    when there is none. A collective: every rank calls it with its own `held`.
+
+    Every rank's view, not any rank's: a step that some rank sees quarantined (a marker a
+    peer, the coordinator or an operator wrote) or does not see at all (a listing that lags
+    a commit, a tier it cannot reach) is skipped by all of them. So no rank is made to read
+    a step it knows is bad, a marker is never overruled by a rank that has not seen it yet,
+    and no rank reads a whole step that another cannot load; the cost is at most an older
+    whole step. The ranks then load the agreed step by explicit step, ignoring markers, so
+    a marker one rank writes while the others read cannot split them.
+    """
+    bound = below
+    while True:
+        mine = max((s for s in held if bound is None or s < bound), default=-1)
+        # No rank holds anything in (candidate, bound): the smallest of the ranks' newest.
+        candidate = agree_min(mine)
+        if candidate < 0 or agree_min(int(candidate in held)):
+            return candidate
+        bound = candidate
+
+
+@dataclasses.dataclass
+class _Failure:
+    step: int
+    where: str  # "of URL" (one tier) or "in the mirror tier (URL)"
+    reason: str
+    error: BaseException | None  # None: another rank's failure
+    quarantined: bool = False
+
+
+def load_from_tiers(
+    tiers: Sequence[Tier],
+    state: Any,
+    *,
+    step: int | None = None,
+    strict: bool = True,
+    keys: str | Sequence[str] | None = None,
+    cast: bool = False,
+    fallback: bool = True,
+    rank: int = 0,
+    threads: int | None = None,
+    on_quarantine: Callable[[str, int, str], None] | None = None,
+    catalog_blake3: Callable[[int], str | None] | None = None,
+) -> LoadResult:
+    """Load `step` (default: the newest committed) into `state` from the nearest tier that
+    holds a copy that verifies; the policy is the module docstring's.
+
+    tiers: [(name, Storage), ...] nearest first; a job without a mirror is one tier.
+    With fallback and no explicit step, every rank of an initialized process group must
+    call this. catalog_blake3(step): the manifest digest the coordinator's catalog recorded
+    at commit (None: storage alone is trusted); a manifest that differs is damage, in any
+    tier (a mirror's manifest is the same bytes as the local one).
+    """
+    if not tiers:
+        raise ValueError("load_from_tiers needs at least one (name, Storage) tier")
+    t0 = time.perf_counter()
+    choose = step is None and fallback
+    # An explicit step is asked of every tier: nothing to list.
+    unlisted: Exception | None = None
+    try:
+        held = holders(tiers) if step is None else {}
+    except Exception as e:  # noqa: BLE001 - raised below, once the peers know
+        if not choose:
+            raise
+        # The peers wait in the first agreement: take part holding nothing (so every rank
+        # stops), then raise this rank's own error.
+        held, unlisted = {}, e
+    if step is not None:
+        at = layout.check_step(step)
+    elif choose:
+        at = _agreed_newest(held, None)
+        if unlisted is not None:
+            raise unlisted
+    else:
+        at = max(held, default=-1)  # fallback=False: this rank's newest, no collective
+    if at < 0 and not held:
+        ckfmt.resolve_step(tiers[0][1], None)  # raises CheckpointNotFound with the details
+        raise CheckpointNotFound(f"{_names(tiers)}: no tier holds a committed step")
+    if at < 0:
+        raise CheckpointNotFound(
+            f"{_names(tiers)}: this rank sees committed steps {sorted(held)[-5:]}, but no "
+            "step is committed in every rank's view (another rank sees none of them; see "
+            "its log). Nothing was loaded; check that every rank reaches the same storage"
+        )
+    failures: list[_Failure] = []
+    while True:
+        res, mine = _try_step(
+            tiers,
+            held,
+            at,
+            explicit=step is not None,
+            quarantine=choose,
+            on_quarantine=on_quarantine,
+            restore=lambda st, s: restore_step(
+                st,
+                state,
+                s,
+                strict=strict,
+                keys=keys,
+                cast=cast,
+                rank=rank,
+                threads=threads,
+                manifest_blake3=catalog_blake3(s) if catalog_blake3 is not None else None,
+            ),
+            rank=rank,
+        )
+        code = _OK if res is not None else _FAILED if _hard(mine) is not None else _NEXT
+        agreed = agree_max(code) if choose else code
+        if agreed == _FAILED:
+            hard = _hard(mine)
+            if hard is not None:
+                raise hard
+            raise CkptError(
+                f"{_names(tiers)} step {at}: another rank failed to load it (see its log); "
+                "this rank's load is abandoned so that all ranks stay at the same step"
+            ) from next((f.error for f in mine if f.error is not None), None)
+        if agreed == _OK and res is not None:
+            return _finish(res, failures + mine, t0)
+        if not mine:  # this rank loaded the step; another could not
+            mine = [
+                _Failure(
+                    at,
+                    f"of {_names(tiers)}",
+                    f"another rank found step {at} corrupt or unreadable (see its log)",
+                    None,
+                )
+            ]
+        failures += mine
+        if not choose:  # an explicit step, or fallback=False: that step or nothing
+            if len(failures) == 1 and failures[0].error is not None:
+                raise failures[0].error  # one copy tried: its error names the step and file
+            raise _exhausted(tiers, f"no copy of step {at} could be loaded", failures)
+        older = _agreed_newest(held, at)
+        log.error(
+            "CHECKPOINT STEP %d OF %s COULD NOT BE LOADED; %s",
+            at,
+            _names(tiers),
+            f"falling back to step {older}" if older >= 0 else "no older committed step to load",
+        )
+        if older < 0:
+            raise _exhausted(tiers, "no committed step could be loaded", failures)
+        at = older
+
+
+def _try_step(
+    tiers: Sequence[Tier],
+    held: dict[int, list[str]],
+    at: int,
+    *,
+    explicit: bool,
+    quarantine: bool,
+    on_quarantine: Callable[[str, int, str], None] | None,
+    restore: Callable[[Storage, int], LoadResult],
+    rank: int,
+) -> tuple[LoadResult | None, list[_Failure]]:
+    """This rank's copies of step `at`, nearest first, until one loads (no collective).
+
+    Returns the loaded result (None when no copy loaded) and the copies that failed; a hard
+    failure (not damage, not unreadable) ends the step at once and is the last failure.
+    """
+    failures: list[_Failure] = []
+    for name, st in tiers:
+        if not explicit and name not in held.get(at, []):
+            continue
+        where = f"of {st.url}" if len(tiers) == 1 else f"in the {name} tier ({st.url})"
+        try:
+            return restore(st, at), failures
+        except CorruptCheckpoint as e:
+            # A read the device refused (EIO, a vanished mount) surfaces as damage caused
+            # by an OSError: maybe transient, so it is skipped, never quarantined.
+            damaged = not isinstance(e.__cause__, OSError)
+            error: BaseException = e
+        except OSError as e:  # CheckpointNotFound, StorageError: not there, or unreachable
+            damaged, error = False, e
+        except BaseException as e:  # noqa: BLE001 - the caller raises it once the ranks agree
+            failures.append(_Failure(at, where, f"rank {rank}: {e}", e))
+            return None, failures
+        reason = f"rank {rank}: {error}"
+        marked = damaged and quarantine and _quarantine(name, st, at, reason, on_quarantine)
+        failures.append(_Failure(at, where, reason, error, marked))
+        log.error(
+            "CHECKPOINT STEP %d %s %s: %s",
+            at,
+            where,
+            "FAILED VERIFICATION AND IS QUARANTINED"
+            if marked
+            else "FAILED VERIFICATION"
+            if damaged
+            else "COULD NOT BE READ; not quarantined",
+            reason,
+        )
+    return None, failures
+
+
+def _hard(failures: list[_Failure]) -> BaseException | None:
+    """The failure that ends the load on every rank: neither damage nor unreadable."""
+    if failures:
+        e = failures[-1].error
+        if e is not None and not isinstance(e, (CorruptCheckpoint, OSError)):
+            return e
+    return None
+
+
+def _quarantine(
+    name: str,
+    st: Storage,
+    step: int,
+    reason: str,
+    on_quarantine: Callable[[str, int, str], None] | None,
+) -> bool:
+    """Mark the copy bad in its tier; a marker already there (a peer's, written while this
+    rank read) is kept with its first reason. Returns whether the copy is now marked."""
+    try:
+        if ckfmt.quarantine_reason(st, step) is None:
+            ckfmt.quarantine(st, step, reason)
+        if on_quarantine is not None:
+            on_quarantine(name, step, reason)
+        return True
+    except (CkptError, OSError) as e:
+        log.error("could not quarantine %s step %d: %s", st.url, step, e)
+        return False
+
+
+def _finish(res: LoadResult, failures: list[_Failure], t0: float) -> LoadResult:
+    seconds = time.perf_counter() - t0
+    log.info("loaded step %d: %.2f GB in %.2f s", res.step, res.bytes / 1e9, seconds)
+    if not failures:
+        return dataclasses.replace(res, seconds=seconds)
+    reason = "; ".join(f"step {f.step} {f.where}: {f.reason}" for f in failures)
+    log.warning("loaded step %d (%s) after: %s", res.step, res.path, reason)
+    first = failures[0].step
+    quarantined: list[int] = []
+    for f in failures:
+        if f.quarantined and f.step not in quarantined:
+            quarantined.append(f.step)
+    return dataclasses.replace(
+        res,
+        seconds=seconds,
+        fell_back_from=first if first != res.step else None,
+        fallback_reason=reason,
+        quarantined=quarantined,
+    )
+
+
+def _exhausted(tiers: Sequence[Tier], what: str, failures: list[_Failure]) -> BaseException:
+    """The error when nothing loaded: the first failure's type, every copy's story."""
+    own = [f.error for f in failures if f.error is not None]
+    kind = type(own[0]) if own else CorruptCheckpoint
+    err = kind(
+        f"{_names(tiers)}: {what}; every copy tried failed verification or could not be "
+        "read: "
+        + "; ".join(f"step {f.step} {f.where}: {f.reason}" for f in failures)
+        + ". Nothing valid was loaded (tensors may hold verified bytes of a failed step); "
+        "check the stores with `ckptctl verify --all` and restore from a replica"
+    )
+    err.__cause__ = own[0] if own else None
+    return err
+
+
+def _names(tiers: Sequence[Tier]) -> str:
+    if len(tiers) == 1:
+        return tiers[0][1].url
+    return ", ".join(f"{n} ({s.url})" for n, s in tiers)
