@@ -59,6 +59,7 @@ from ckptd.errors import (
     InvalidRequest,
     SaveAborted,
     StaleGeneration,
+    StorageError,
 )
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
@@ -483,7 +484,9 @@ class Coordinator(Recovery):
             await self.catalog.mark_committing(s.job, s.step, s.generation)
             data = await asyncio.to_thread(ckfmt.commit, st, m)
         except (CkptError, OSError, ValueError) as e:
-            await self._abort(s, f"commit failed: {e}", outcome=obs.FAILED)
+            # The ranks raise the cause: a full disk here is a StorageError on every rank.
+            kind = type(e) if isinstance(e, CkptError) else StorageError
+            await self._abort(s, f"commit failed: {e}", kind=kind, outcome=obs.FAILED)
             return
         crash_point("coordinator.after_manifest_rename")
         digest = hashing.digest(data)

@@ -75,7 +75,7 @@ class Session:
             self.planned.set_exception(kind(reason))
             self.planned.exception()  # mark retrieved: not every rank may be waiting
         if not self.done.done():
-            self.done.set_result(StatusResult(ABORTED, reason))
+            self.done.set_result(self.answer())
 
     def overdue(self, now: float, lease_s: float) -> str | None:
         """Why an open save must be aborted now (monotonic `now`), or None: ranks that did
@@ -105,7 +105,9 @@ class Session:
         )
 
     def answer(self) -> StatusResult:
-        return StatusResult(self.status, self.reason, self.manifest_blake3)
+        kind = self.abort_kind if self.status == ABORTED else SaveAborted
+        error = "" if kind is SaveAborted else kind.__name__
+        return StatusResult(self.status, self.reason, self.manifest_blake3, error)
 
     def check_report(self, st: Storage, rank: int, report: ShardReport) -> None:
         """The coordinator's own look at a reported shard (blocking: run in a thread): its

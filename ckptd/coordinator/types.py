@@ -76,3 +76,4 @@ class StatusResult:
     status: str
     reason: str = ""
     manifest_blake3: str = ""
+    error: str = ""  # ABORTED: the ckptd.errors class that caused it ("" = SaveAborted)

@@ -89,12 +89,13 @@ def status_to_pb(r: types.StatusResult) -> pb.SaveStatus:
         status=STATUS_TO_PB.get(r.status, pb.STATUS_UNSPECIFIED),
         reason=r.reason,
         manifest_blake3=r.manifest_blake3,
+        error=r.error,
     )
 
 
 def status_from_pb(s: pb.SaveStatus) -> types.StatusResult:
     return types.StatusResult(
-        STATUS_FROM_PB.get(s.status, "UNSPECIFIED"), s.reason, s.manifest_blake3
+        STATUS_FROM_PB.get(s.status, "UNSPECIFIED"), s.reason, s.manifest_blake3, s.error
     )
 
 

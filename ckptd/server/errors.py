@@ -74,6 +74,13 @@ KINDS: dict[str, type[E.CkptError]] = {
     )
 }
 
+
+def aborted_by(name: str) -> type[E.CkptError]:
+    """The class an ABORTED status names in its `error` field (SaveAborted when none, or
+    when the name is not one of KINDS)."""
+    return KINDS.get(name, E.SaveAborted) if name else E.SaveAborted
+
+
 # Without the class in metadata: the statuses gRPC itself produces, and old servers.
 FROM_CODE: dict[grpc.StatusCode, type[E.CkptError]] = {
     grpc.StatusCode.ABORTED: E.SaveAborted,

@@ -157,14 +157,16 @@ class AbortSaveRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SaveStatus(_message.Message):
-    __slots__ = ("status", "reason", "manifest_blake3")
+    __slots__ = ("status", "reason", "manifest_blake3", "error")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_BLAKE3_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     status: Status
     reason: str
     manifest_blake3: str
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[str] = ..., manifest_blake3: _Optional[str] = ...) -> None: ...
+    error: str
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[str] = ..., manifest_blake3: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("job",)

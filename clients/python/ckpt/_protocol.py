@@ -32,6 +32,7 @@ from ckptd.coordinator.planning import ChunkPlan
 from ckptd.errors import CkptError, CoordinatorUnavailable, SaveAborted, SaveFailed
 from ckptd.faults import crash_point
 from ckptd.server.client import CoordinatorClient
+from ckptd.server.errors import aborted_by
 
 log = logging.getLogger("ckpt")
 
@@ -111,8 +112,10 @@ class RankSave:
         return status
 
     def require_committed(self, status: StatusResult, detail: str = "") -> None:
+        """Raise unless `status` is COMMITTED: SaveAborted, or the error the coordinator
+        named as the cause (a StorageError when its disk was full for the manifest)."""
         if status.status != "COMMITTED":
-            raise SaveAborted(
+            raise aborted_by(status.error)(
                 f"{self.where}: the save was not committed ({status.status}{detail}): "
                 f"{status.reason}. Nothing was committed; earlier checkpoints are untouched"
             )
