@@ -57,3 +57,16 @@ def test_a_failed_module_level_save_can_be_retried_at_the_same_step(tmp_path):
         ckpt.save({"w": torch.ones(2), "bad": object()}, job, step=2)
     ckpt.save({"w": torch.full((2,), 2.0)}, job, step=2)
     assert ckpt.load({}, job).step == 2
+
+
+def test_a_job_named_as_its_user_likes_saves_through_either_call(tmp_path):
+    """The embedded coordinator serves its own process's job: any one safe directory name
+    (`ckptd serve` keeps [A-Za-z0-9._-], see test_path_confinement)."""
+    job = str(tmp_path / "runs" / "my job ☃ (1)")
+    ckpt.save({"w": torch.ones(3)}, job, step=1)
+    with ckpt.Checkpointer(job) as cp:
+        cp.save({"w": torch.full((3,), 2.0)}, 2, blocking=True)
+        assert [r.step for r in cp.client.list_checkpoints(cp.path)] == [1, 2]
+    assert torch.equal(ckpt.load({}, job).state["w"], torch.full((3,), 2.0))
+    with pytest.raises(ckpt.UnsafePath, match="control character"):
+        ckpt.Checkpointer(str(tmp_path / "bad\nname"))

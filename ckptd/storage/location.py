@@ -23,7 +23,7 @@ import hashlib
 import os
 
 from ckptd.errors import UnsafePath
-from ckptd.storage.paths import check_relative
+from ckptd.storage.paths import check_name, check_relative
 
 # Filesystems on which SQLite's locking and WAL are not safe (and whose latency makes a
 # catalog slow): a catalog is never put there by default.
@@ -148,9 +148,14 @@ class JobLocation:
         return self.path if self.path.endswith("/") else self.path + "/"
 
     # -- a root: the directory of jobs a coordinator serves -------------------------------
-    def job_name(self, job: str) -> str:
+    def job_name(self, job: str, *, any_name: bool = False) -> str:
         """`job` (absolute, relative to this root, or a URL under it) as a path relative
-        to this root; refuses anything outside it or with an unsafe component."""
+        to this root; refuses anything outside it or with an unsafe component.
+
+        Components are [A-Za-z0-9._-] names (check_relative): a shared service's job names
+        come from the wire and land in its metrics and logs. any_name=True takes any one
+        safe directory name per component (check_name): the embedded coordinator serves
+        the one job its own process named, whatever its user called the directory."""
         if self.is_url:
             prefix = self._prefix()
             rel = job[len(prefix) :] if job.startswith(prefix) else job
@@ -165,8 +170,9 @@ class JobLocation:
                     "save under the root the coordinator serves"
                 )
             rel = os.path.relpath(full, self.path)
+        check = check_name if any_name else check_relative
         for part in rel.split("/"):
-            check_relative(part, what=f"job {job!r} component")
+            check(part, what=f"job {job!r} component")
         return rel
 
     def job_dir(self, name: str) -> str:

@@ -35,3 +35,24 @@ def check_relative(path: object, *, what: str = "path") -> str:
                 "only [A-Za-z0-9._-] names inside the checkpoint directory are allowed"
             )
     return path
+
+
+MAX_NAME_BYTES = 255  # one directory entry on Linux filesystems
+
+
+def check_name(name: object, *, what: str = "name") -> str:
+    """Validate one directory name that a user chose (a job's own directory): any
+    characters a filesystem takes in one entry, but never a way out of its parent: not
+    empty, `.` or `..`, no '/', backslash, NUL or control character, at most 255 bytes."""
+    if not isinstance(name, str):
+        raise UnsafePath(f"{what} must be a string, got {type(name).__name__}")
+    if (
+        name in ("", ".", "..")
+        or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES
+        or any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name)
+    ):
+        raise UnsafePath(
+            f"{what} {name[:80]!r} is not one safe directory name (empty, '.', '..', a "
+            f"separator, a control character, or over {MAX_NAME_BYTES} bytes)"
+        )
+    return name
