@@ -466,7 +466,15 @@ class Checkpointer:
         loads, unless allow_fresh_start=True (then logs the error and returns None).
         """
         self._check_open()
-        step = _resume.resume(self, state, allow_fresh_start=allow_fresh_start, strict=strict)
+        step = _resume.resume(
+            self.path,
+            self.tiers,
+            self.load,
+            state,
+            rank=self.rank,
+            allow_fresh_start=allow_fresh_start,
+            strict=strict,
+        )
         if step is not None:
             self._last_step = step
         return step

@@ -18,29 +18,38 @@ the step. What resume adds is the policy around it:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from ckpt._load import tier_steps
+from ckpt._load import Tier, tier_steps
+from ckpt._restore import LoadResult
 from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
 from ckptd.format import checkpoint as ckfmt
-
-if TYPE_CHECKING:
-    from ckpt._checkpointer import Checkpointer
 
 log = logging.getLogger("ckpt")
 
 
-def resume(cp: Checkpointer, state: Any, *, allow_fresh_start: bool, strict: bool) -> int | None:
+def resume(
+    path: str,
+    tiers: Sequence[Tier],
+    load: Callable[..., LoadResult],
+    state: Any,
+    *,
+    rank: int,
+    allow_fresh_start: bool,
+    strict: bool,
+) -> int | None:
+    """Resume job `path` from `tiers` with `load` (the Checkpointer's: the load policy)."""
     # A step counts when any tier holds it (a wiped local disk resumes from the mirror,
     # not from scratch); a job without a mirror is one tier.
-    steps = tier_steps(cp.tiers)
-    lead = cp.rank == 0  # one rank tells what storage holds; every rank tells its own failures
+    steps = tier_steps(tiers)
+    lead = rank == 0  # one rank tells what storage holds; every rank tells its own failures
     skipped = [s for s in reversed(steps) if s.status != ckfmt.COMMITTED]
     for s in skipped:
         if lead:
             log.warning(
                 "resume %s: skipping step %d: %s: %s",
-                cp.path,
+                path,
                 s.step,
                 s.status.lower(),
                 s.error or "no reason recorded",
@@ -51,18 +60,18 @@ def resume(cp: Checkpointer, state: Any, *, allow_fresh_start: bool, strict: boo
         if lead and steps:
             log.warning(
                 "resume %s: nothing was ever committed (%d unfinished save(s)); starting fresh",
-                cp.path,
+                path,
                 len(steps),
             )
         elif lead:
-            log.info("resume %s: no checkpoint yet; starting fresh", cp.path)
+            log.info("resume %s: no checkpoint yet; starting fresh", path)
         return None
     try:
-        res = cp.load(state, strict=strict)
+        res = load(state, strict=strict)
     except (CorruptCheckpoint, CheckpointNotFound) as e:
         reasons = [f"step {s.step}: {s.status.lower()}: {s.error}" for s in skipped]
         message = (
-            f"resume {cp.path}: checkpoints were committed but none can be loaded whole "
+            f"resume {path}: checkpoints were committed but none can be loaded whole "
             f"({'; '.join([*reasons, str(e)])}). Nothing usable was loaded (tensors in the "
             "state may hold verified bytes of a failed step). Check the storage (`ckptctl "
             "verify --all`), restore a copy, or pass allow_fresh_start=True to start from "
@@ -75,7 +84,7 @@ def resume(cp: Checkpointer, state: Any, *, allow_fresh_start: bool, strict: boo
     if lead:
         log.info(
             "resume %s: resumed from step %d%s",
-            cp.path,
+            path,
             res.step,
             (
                 f" (step {res.fell_back_from} failed verification and is now quarantined)"
