@@ -209,3 +209,20 @@ def test_the_commit_crash_point_fires_with_the_manifest_durable_but_unpublished(
     assert staged == data  # ...but whole under its temporary name
     assert sorted(os.listdir(sdir)) == sorted([layout.MANIFEST_NAME, layout.SHARDS_DIR])
     assert (sdir / layout.MANIFEST_NAME).read_bytes() == data
+
+
+def test_a_memory_job_s_catalog_dies_with_its_process(tmp_path):
+    """memory:// is one process's store: a catalog kept for it in ~/.cache told the next
+    process that steps its empty store lacks were committed (CheckpointExists at step 1)."""
+    code = (
+        "import torch, ckpt\n"
+        "print(ckpt.save({'w': torch.ones(2)}, 'memory://same-name-every-run', step=1).step)\n"
+    )
+    env = {**os.environ, "HOME": str(tmp_path)}
+    env.pop("CKPTD_CATALOG_DIR", None)
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr[-2000:]
+    assert not (tmp_path / ".cache" / "ckptd").exists()

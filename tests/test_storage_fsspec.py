@@ -95,6 +95,14 @@ def test_memory_not_found(mem_job):
         ckpt.load({}, mem_job)
 
 
+def _rank0(url: str, step: int) -> tuple[str, str]:
+    """Rank 0's shard and index names of a committed step, from its manifest (a save's
+    generation is part of the names)."""
+    doc = json.loads(MEM.cat_file(mem_path(url, step, layout.MANIFEST_NAME)))
+    s = next(s for s in doc["shards"] if s["rank"] == 0)
+    return s["path"], s["index"]
+
+
 def _flip(path: str, offset: int) -> None:
     data = bytearray(MEM.cat_file(path))
     data[offset] ^= 0x01
@@ -102,31 +110,34 @@ def _flip(path: str, offset: int) -> None:
 
 
 def _corrupt_bit(url: str) -> tuple[str, type]:
-    _flip(mem_path(url, 2, layout.shard_name(0)), 4096 + 7)
-    return "rank-00000.bin", ckpt.HashMismatch
+    shard, _ = _rank0(url, 2)
+    _flip(mem_path(url, 2, shard), 4096 + 7)
+    return posixpath.basename(shard), ckpt.HashMismatch
 
 
 def _truncate(url: str) -> tuple[str, type]:
-    p = mem_path(url, 2, layout.shard_name(0))
+    shard, _ = _rank0(url, 2)
+    p = mem_path(url, 2, shard)
     MEM.pipe_file(p, MEM.cat_file(p)[:-1])
-    return "rank-00000.bin", ckpt.ShardSizeMismatch
+    return posixpath.basename(shard), ckpt.ShardSizeMismatch
 
 
 def _delete_shard(url: str) -> tuple[str, type]:
-    MEM.rm(mem_path(url, 2, layout.shard_name(0)))
-    return "rank-00000.bin", ckpt.ShardMissing
+    shard, _ = _rank0(url, 2)
+    MEM.rm(mem_path(url, 2, shard))
+    return posixpath.basename(shard), ckpt.ShardMissing
 
 
 def _delete_index(url: str) -> tuple[str, type]:
-    MEM.rm(mem_path(url, 2, layout.index_name(0)))
-    return "rank-00000.json", ckpt.ShardMissing
+    _, index = _rank0(url, 2)
+    MEM.rm(mem_path(url, 2, index))
+    return posixpath.basename(index), ckpt.ShardMissing
 
 
 def _index_from_step_1(url: str) -> tuple[str, type]:
-    MEM.pipe_file(
-        mem_path(url, 2, layout.index_name(0)), MEM.cat_file(mem_path(url, 1, layout.index_name(0)))
-    )
-    return "rank-00000.json", ckpt.CorruptCheckpoint
+    (_, index2), (_, index1) = _rank0(url, 2), _rank0(url, 1)
+    MEM.pipe_file(mem_path(url, 2, index2), MEM.cat_file(mem_path(url, 1, index1)))
+    return posixpath.basename(index2), ckpt.CorruptCheckpoint
 
 
 def _unsafe_manifest_path(url: str) -> tuple[str, type]:

@@ -543,7 +543,9 @@ class Coordinator(Recovery):
             self.sessions[(job, ref.step)] = s
             await self.catalog.record_begin(job, ref.step, ref.generation, ref.world_size)
         if s.status in (OPEN,):
-            await self._abort(s, f"rank {ref.rank} aborted: {reason[:1000]}")
+            await self._abort(
+                s, f"rank {ref.rank} aborted: {reason[:1000]}", asked_by_sole_rank=s.world_size == 1
+            )
         return s.answer()
 
     # -- catalog queries ---------------------------------------------------------------
@@ -627,9 +629,13 @@ class Coordinator(Recovery):
         reason: str,
         kind: type[CkptError] = SaveAborted,
         outcome: str = obs.ABORTED,
+        asked_by_sole_rank: bool = False,
     ) -> None:
         if s.status in (COMMITTED, ABORTED):
             return
+        # No rank is writing any more: every one has reported, or the only one gave up. Then
+        # the step directory goes too when nothing else is in it (else retention removes it).
+        idle = asked_by_sole_rank or len(s.reports) == s.world_size
         self.observer.save_ended(s.job, s.step, outcome)
         log.warning(
             "aborting job %s step %d generation %d: %s", s.job, s.step, s.generation, reason
@@ -645,7 +651,9 @@ class Coordinator(Recovery):
             # commits the very same save.
             s.fail(reason, kind)
         self._spawn(
-            asyncio.to_thread(self._remove_files, s.job, s.step, s.generation, range(s.world_size))
+            asyncio.to_thread(
+                self._remove_files, s.job, s.step, s.generation, range(s.world_size), idle
+            )
         )
 
     def _finish(self, s: Session) -> None:
@@ -662,13 +670,16 @@ class Coordinator(Recovery):
         ):
             self.finished.popitem(last=False)
 
-    def _remove_files(self, job: str, step: int, generation: int, ranks: Iterable[int]) -> None:
-        """An aborted save's files of these ranks (blocking: run in a thread); then the step
-        directory itself when that left it empty and no save of the step is live."""
+    def _remove_files(
+        self, job: str, step: int, generation: int, ranks: Iterable[int], idle: bool = False
+    ) -> None:
+        """An aborted save's files of these ranks (blocking: run in a thread); with `idle`
+        (no rank of it still writing), the step directory too when that left it empty and
+        no newer save of the step is live."""
         st = self.storage(job)
         for r in ranks:
             remove_rank_files(st, step, generation, r)
-        if (job, step) not in self.sessions:
+        if idle and (job, step) not in self.sessions:
             remove_empty_step(st, step)
 
     async def _watch(self) -> None:

@@ -244,9 +244,11 @@ def remove_rank_files(st: Storage, step: int, generation: int, rank: int) -> Non
 
 def remove_empty_step(st: Storage, step: int) -> None:
     """Remove a step directory that an abort left empty (no manifest, no shard of any
-    generation), so an aborted save leaves nothing behind. A save of the same step by a
-    newer generation writes there only after its BeginSave; were one to start in between,
-    its shard would fail verification and its save abort: never a commit of a partial step."""
+    generation), so an aborted save leaves nothing behind. Only once no rank of the
+    aborted save can still be writing (the caller knows); a save of the same step by a
+    newer generation writes there only after its BeginSave, and were one to start in
+    between, its shard would fail verification and its save abort: never a commit of a
+    partial step."""
     sdir = layout.step_dir(step)
     try:
         names = st.listdir(sdir)
@@ -257,11 +259,9 @@ def remove_empty_step(st: Storage, step: int) -> None:
 
 
 def remove_generation_files(st: Storage, step: int, generation: int, world_size: int) -> None:
-    """Remove every rank's files of an aborted save (`remove_rank_files`), then the step
-    directory if that left it empty (recovery: no save is live yet)."""
+    """Remove every rank's files of an aborted save (`remove_rank_files`)."""
     for r in range(world_size):
         remove_rank_files(st, step, generation, r)
-    remove_empty_step(st, step)
 
 
 def _ranks(ranks: list[int]) -> str:

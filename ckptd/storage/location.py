@@ -13,14 +13,20 @@ It also knows a job's place under a root (`job_name`, `job_dir`, both confined) 
 the embedded coordinator keeps the job's SQLite catalog: beside the job on a local disk,
 else (a network filesystem, where SQLite's locking is unsafe, or an object store, where
 it cannot live) under `$CKPTD_CATALOG_DIR/<hash>/` or `~/.cache/ckptd/catalogs/<hash>/`,
-the hash being of the normalised path. `$CKPTD_CATALOG_DIR`, when set, always wins.
+the hash being of the normalised path. `$CKPTD_CATALOG_DIR`, when set, wins, except for a
+store that lives in this process alone (memory://): its catalog lives and dies with the
+process, in a temporary directory.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import os
+import shutil
+import tempfile
+import threading
 
 from ckptd.errors import UnsafePath
 from ckptd.storage.paths import check_name, check_relative
@@ -53,6 +59,23 @@ NETWORK_FS = frozenset(
 CATALOG_NAME = "catalog.sqlite"
 CATALOG_DIR_ENV = "CKPTD_CATALOG_DIR"
 _CATALOG_CACHE = "~/.cache/ckptd/catalogs"
+# Protocols whose store lives in this process alone: a catalog of theirs must not outlive it
+# (another process would find steps listed that its own empty store lacks).
+PROCESS_LOCAL = frozenset({"memory"})
+_process_dir: str | None = None
+_process_dir_lock = threading.Lock()
+
+
+def _process_catalogs() -> str:
+    """A directory of this process's own, removed at exit (for PROCESS_LOCAL jobs)."""
+    global _process_dir
+    with _process_dir_lock:
+        if _process_dir is None:
+            _process_dir = tempfile.mkdtemp(prefix="ckptd-catalogs-")
+            atexit.register(shutil.rmtree, _process_dir, ignore_errors=True)
+        return _process_dir
+
+
 _FILE = "file://"
 
 
@@ -197,6 +220,8 @@ class JobLocation:
     def catalog_path(self) -> str:
         """Where the embedded coordinator keeps this job's catalog (module docstring)."""
         digest = hashlib.sha256(self.path.encode()).hexdigest()[:16]
+        if self.protocol in PROCESS_LOCAL:
+            return os.path.join(_process_catalogs(), digest, CATALOG_NAME)
         override = os.environ.get(CATALOG_DIR_ENV)
         if override:
             return os.path.join(override, digest, CATALOG_NAME)

@@ -21,9 +21,10 @@ from ckpt._checkpointer import Checkpointer
 from ckpt._load import load_from_tiers
 from ckpt._pending import PendingSave
 from ckpt._restore import LoadResult
-from ckpt._results import SaveResult
+from ckpt._results import SaveResult, check_metadata
 from ckpt._save_job import SaveOptions
 from ckptd.coordinator import retention
+from ckptd.format import layout
 from ckptd.storage import JobLocation, Storage, open_storage
 
 PathLike = str | os.PathLike[str]
@@ -97,6 +98,9 @@ def save(
             "ckpt.save(state, path) needs step=...; ckpt.save(state) without a path (after "
             "ckpt.init) takes the step from state['step']"
         )
+    # Bad input is refused before anything is opened or written.
+    layout.check_step(step)
+    metadata = check_metadata(metadata)
     options = SaveOptions(
         verify=verify or "full",
         keep_last=keep_last,
