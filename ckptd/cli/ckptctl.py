@@ -413,6 +413,7 @@ class _Bar:
     """A rich progress bar on stderr; update() may be called from the reader threads."""
 
     def __init__(self, total: int, desc: str, unit: str):
+        # rich is imported only when a bar is drawn (a terminal, not --json).
         from rich.console import Console
         from rich.progress import (
             BarColumn,
@@ -552,6 +553,7 @@ def _tick(bar: _Bar | None) -> None:
 def cmd_diff(storage: Storage, args: argparse.Namespace) -> int:
     """Which tensors and values changed between two steps, from the indexes' block hashes
     where the chunk layouts match, else by reading and hashing the whole tensors."""
+    # Imported by the command that needs it: ckptctl's other commands start faster.
     from ckptd.format.diff import ADDED, CHANGED, REMOVED, diff_checkpoints
 
     bar = _progress(
@@ -603,6 +605,7 @@ def cmd_diff(storage: Storage, args: argparse.Namespace) -> int:
 
 def cmd_restore(storage: Storage, args: argparse.Namespace) -> int:
     """A consolidated (unsharded) copy of a step, every byte verified on the way."""
+    # Imported by the command that needs it: the exports bring torch (and tensorstore).
     from ckptd.export import export_checkpoint
 
     bar: Any = None

@@ -23,6 +23,7 @@ from ckptd.errors import CkptError, CorruptCheckpoint, ShardSizeMismatch, Storag
 from ckptd.faults import crash_point
 from ckptd.format import hashing, layout, recycle
 from ckptd.format.manifest import IndexEntry, ShardIndex, ShardInfo
+from ckptd.format.reader import verify_entries
 from ckptd.storage.base import Piece, Storage, WriteHandle
 
 
@@ -438,8 +439,6 @@ def _verify_written(
     if reread != index_bytes:
         raise CorruptCheckpoint(f"{index_path} reads back different from what was written")
     if verify == "full":
-        from ckptd.format.reader import verify_entries
-
         problems = verify_entries(
             storage, shard_path, index.entries, index.block_size, threads=threads
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import secrets
+import socket
 import threading
 from typing import Any
 
@@ -94,7 +95,6 @@ class EmbeddedCoordinator:
 
 
 def _reachable_host() -> str:
-    import socket
 
     name = socket.gethostname()
     try:
