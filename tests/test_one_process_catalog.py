@@ -8,7 +8,11 @@ alone": two documented calls that disagreed.
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,3 +74,32 @@ def test_a_job_named_as_its_user_likes_saves_through_either_call(tmp_path):
     assert torch.equal(ckpt.load({}, job).state["w"], torch.full((3,), 2.0))
     with pytest.raises(ckpt.UnsafePath, match="control character"):
         ckpt.Checkpointer(str(tmp_path / "bad\nname"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_module_level_saves_of_many_ranks_write_each_replica_once(tmp_path):
+    """Several ranks calling ckpt.save(state, path, step) stage as a Checkpointer does, so
+    each writes only the chunks assigned to it: a replicated state reaches the disk once
+    (promise 7), not once per rank."""
+    from coordinator_fixtures import child_env, free_port
+
+    job, out, port = tmp_path / "job", tmp_path / "out", free_port()
+    out.mkdir()
+    worker = Path(__file__).parent / "ranks" / "module_save_worker.py"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(r), "2", str(port), str(job), str(out)],
+            env=child_env(),
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        assert p.wait(timeout=100) == 0
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in results:
+        assert "error" not in res, res["error"]
+    state = results[0]["state_bytes"]
+    assert sum(r["indexed"] for r in results) == state  # each chunk indexed once
+    # What the disk holds: the replicas once (plus block rounding), not 2x the state.
+    assert sum(r["allocated"] for r in results) < 1.25 * state, results

@@ -101,15 +101,18 @@ def save(
     # Bad input is refused before anything is opened or written.
     layout.check_step(step)
     metadata = check_metadata(metadata)
-    options = SaveOptions(
-        verify=verify or "full",
-        keep_last=keep_last,
-        staging_budget_bytes=0,  # a blocking save writes from the tensors: no staged copy
-        preallocate=preallocate,
-        io_threads=io_threads,
-    )
     cp, owned = _checkpointer_for(path)
     try:
+        options = SaveOptions(
+            verify=verify or "full",
+            keep_last=keep_last,
+            # One rank writes every entry, so a blocking save writes straight from the
+            # tensors (no staged copy). Several ranks stage as usual: each then writes only
+            # the chunks the coordinator assigns it, never a replica another rank writes.
+            staging_budget_bytes=0 if cp.world_size == 1 else cp.options.staging_budget_bytes,
+            preallocate=preallocate,
+            io_threads=io_threads,
+        )
         result = cp.save(state, step, metadata=metadata, blocking=True, options=options).wait()
     finally:
         if owned:
