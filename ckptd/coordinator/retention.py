@@ -85,7 +85,10 @@ def plan(steps: Iterable[StepState], keep_last: int, keep: Collection[int] = ())
         )
     steps = list(steps)
     status = {s.step: s.status for s in steps}
-    line = ckfmt.live_line(s for s in steps if s.status in (COMMITTED, QUARANTINED))
+    line = ckfmt.live_line(
+        (s for s in steps if s.status in (COMMITTED, QUARANTINED)),
+        gaps={s.step for s in steps if s.status in (UNFINISHED, UNREADABLE)},
+    )
     committed = [k for k in line if status[k] == COMMITTED]  # head first
     if not committed:
         return RetentionPlan()

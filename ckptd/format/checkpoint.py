@@ -20,7 +20,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Protocol
 
 from ckptd import knobs
@@ -219,7 +219,7 @@ class LineStep:
     saved_unix: float
 
 
-def live_line(steps: Iterable[Lineage]) -> list[int]:
+def live_line(steps: Iterable[Lineage], gaps: Collection[int] = ()) -> list[int]:
     """The job's live line, head first: the one rule for "newest" (docs/concepts.md,
     Rollbacks and the live line), used by the load policy (ckpt._load) and by retention.
 
@@ -228,8 +228,10 @@ def live_line(steps: Iterable[Lineage]) -> list[int]:
     first save, or a manifest from before lineage was recorded) continues the line in step
     order, the highest lower step next; when no step records a parent at all the head is
     the highest step. So a job that never rolled back has the line it always had, and
-    after a rollback the steps of the abandoned branch are on no line. A parent that is
-    not among `steps` (retired, removed) ends the line.
+    after a rollback the steps of the abandoned branch are on no line. A parent in `gaps`
+    (a step directory whose manifest is missing or unreadable: damage, not a removal)
+    continues the line in step order below it; a parent that is gone altogether (retired)
+    ends the line.
     """
     by_step = {s.step: s for s in steps}
     if not by_step:
@@ -241,10 +243,14 @@ def live_line(steps: Iterable[Lineage]) -> list[int]:
     line = [head]
     while True:
         cur = by_step[line[-1]]
-        if cur.parent is None:
-            nxt = max((k for k in by_step if k < cur.step), default=None)
+        nxt: int | None
+        if cur.parent in by_step:
+            nxt = cur.parent
+        elif cur.parent is None or cur.parent in gaps:
+            below = cur.step if cur.parent is None else cur.parent
+            nxt = max((k for k in by_step if k < below and k not in line), default=None)
         else:
-            nxt = cur.parent if cur.parent in by_step else None
+            nxt = None
         if nxt is None or nxt in line:  # a cycle (hand-edited manifests) ends the line
             return line
         line.append(nxt)
@@ -254,10 +260,14 @@ def line_of(infos: Iterable[StepInfo]) -> list[int]:
     """The live line of listed steps (`list_steps`): those with a manifest, head first.
 
     A quarantined step stays on the line (it is an ancestor); loads skip it."""
+    infos = list(infos)
     return live_line(
-        LineStep(s.step, s.manifest.parent, s.manifest.created_unix)
-        for s in infos
-        if s.manifest is not None and s.status in (COMMITTED, QUARANTINED)
+        (
+            LineStep(s.step, s.manifest.parent, s.manifest.created_unix)
+            for s in infos
+            if s.manifest is not None and s.status in (COMMITTED, QUARANTINED)
+        ),
+        gaps={s.step for s in infos if s.status in (INCOMPLETE, INVALID)},
     )
 
 
