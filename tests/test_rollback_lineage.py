@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ from ckptd.format import layout
 from ckptd.storage import open_storage
 
 pytestmark = pytest.mark.timeout(180)
+
+Runner = Callable[..., tuple[int, str, str]]  # the ckptctl fixture (conftest.py)
 
 
 @pytest.fixture(autouse=True)
@@ -51,13 +54,15 @@ def loads(job: str, step: int) -> bool:
     return bool(torch.equal(target["w"], state(step)["w"]))
 
 
-def listed(ckptctl, job: str) -> dict[int, tuple[int | None, str]]:  # noqa: ANN001
+def listed(ckptctl: Runner, job: str) -> dict[int, tuple[int | None, str]]:
     rc, out, _ = ckptctl("list", job, "--json")
     assert rc == 0, out
     return {s["step"]: (s["parent"], s["line"]) for s in json.loads(out)["steps"]}
 
 
-def test_a_rollback_keeps_the_new_line_and_resume_loads_its_head(tmp_path: Path, ckptctl) -> None:  # noqa: ANN001
+def test_a_rollback_keeps_the_new_line_and_resume_loads_its_head(
+    tmp_path: Path, ckptctl: Runner
+) -> None:
     job = str(tmp_path / "job")
     committed = []
     with ckpt.Checkpointer(job, keep_last=2) as cp:
@@ -102,7 +107,9 @@ def test_a_rollback_keeps_the_new_line_and_resume_loads_its_head(tmp_path: Path,
     assert ckfmt.latest_step(open_storage(plain)) == 16
 
 
-def test_a_lower_step_saved_last_is_never_removed_by_its_own_commit(tmp_path: Path, ckptctl) -> None:  # noqa: ANN001
+def test_a_lower_step_saved_last_is_never_removed_by_its_own_commit(
+    tmp_path: Path, ckptctl: Runner
+) -> None:
     job = str(tmp_path / "job")
     with ckpt.Checkpointer(job, keep_last=1) as cp:
         cp.save(state(20), 20)
