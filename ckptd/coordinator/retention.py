@@ -11,7 +11,7 @@ catalog, `apply` nothing); never in what is removed.
 The promise: only steps of the job's live line (`ckfmt.live_line`: the save made last,
 back through each step's parent) are retired, never the newest `keep_last` of it, never
 the save the plan runs for (`keep`), never a step off the line (an abandoned branch after a
-rollback: kept and listed until the user removes it, `ckptctl gc --step`), never a save in
+rollback: kept and listed, `ckptctl list`, until the user removes it), never a save in
 flight, never a manifest that cannot be read (it may be whole).
 """
 
