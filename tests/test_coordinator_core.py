@@ -753,20 +753,22 @@ def test_retention_keeps_newest(root: Path, job: str) -> None:
                     what="retention",
                 )
             assert [r.step for r in core.list_checkpoints(job)] == [3, 4]
-            # A step saved out of order: the newest (by step) is never deleted.
+            # A step saved out of order, without lineage (these saves record no parent, so
+            # the line is step order): the newest by step is never deleted, and neither is
+            # the save just committed, by its own commit's retention (docs/concepts.md).
             assert (await s.save(0, {"w": torch.zeros(3)}, keep_last=1)).status == "COMMITTED"
             await eventually(
                 lambda: (
-                    [r.step for r in core.catalog.saves(core.job_name(job), "COMMITTED")] == [4]
+                    [r.step for r in core.catalog.saves(core.job_name(job), "COMMITTED")] == [0, 4]
                 ),
                 what="retention",
             )
             return [r.step for r in core.list_checkpoints(job)]
 
-    assert run(main()) == [4]
-    for step in (0, 1, 2, 3):
+    assert run(main()) == [0, 4]
+    for step in (1, 2, 3):
         assert not (Path(job) / f"step-{step:012d}").exists()
-    assert has_manifest(job, 4)
+    assert has_manifest(job, 4) and has_manifest(job, 0)
 
 
 def test_retention_with_keep_last_one_never_deletes_the_newest(root: Path, job: str) -> None:

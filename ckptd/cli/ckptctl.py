@@ -94,6 +94,16 @@ def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
         local = {s.step for s in steps}
         mirror = [s for s in ckfmt.list_steps(open_storage(args.mirror)) if s.step not in local]
         steps = sorted(steps + mirror, key=lambda s: s.step)
+    # The lineage: which steps are the live line (what resume loads, what keep_last
+    # retires from) and which an abandoned branch after a rollback (docs/concepts.md).
+    line = ckfmt.line_of(steps)
+    head = ckfmt.head_of(steps)
+
+    def lineage(s: ckfmt.StepInfo) -> str:
+        if s.manifest is None:
+            return "-"
+        return "head" if s.step == head else "live" if s.step in line else "abandoned"
+
     if args.json:
         _emit_json(
             args,
@@ -106,6 +116,8 @@ def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
                         "bytes": sum(x.size for x in s.manifest.shards) if s.manifest else None,
                         "world_size": s.manifest.world_size if s.manifest else None,
                         "created_unix": s.manifest.created_unix if s.manifest else None,
+                        "parent": s.manifest.parent if s.manifest else None,
+                        "line": lineage(s) if s.manifest else None,
                         "error": s.error,
                         **({"tiers": tiers.get(s.step, [])} if tiers is not None else {}),
                     }
@@ -127,12 +139,14 @@ def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
                     s.status,
                     human_bytes(sum(x.size for x in m.shards)),
                     str(m.world_size),
+                    "-" if m.parent is None else str(m.parent),
+                    lineage(s),
                     _when(m.created_unix),
                 ]
             )
         else:
-            rows.append([str(s.step), s.status, "-", "-", s.error or ""])
-    header = ["STEP", "STATUS", "SIZE", "RANKS", "CREATED"]
+            rows.append([str(s.step), s.status, "-", "-", "-", "-", s.error or ""])
+    header = ["STEP", "STATUS", "SIZE", "RANKS", "PARENT", "LINE", "CREATED"]
     if tiers is not None:
         for row, s in zip(rows, steps, strict=True):
             row.insert(2, ",".join(tiers.get(s.step, [])) or "-")
@@ -141,6 +155,13 @@ def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
     for s in steps:
         if s.status == ckfmt.QUARANTINED:
             print(f"step {s.step} is quarantined (loads without a step skip it): {s.error}")
+    abandoned = [s.step for s in steps if lineage(s) == "abandoned"]
+    if abandoned:
+        print(
+            f"steps {abandoned} are off the live line (a rollback abandoned them): resume does "
+            "not load them and keep_last does not retire them; they stay until you remove "
+            "their step directories (or load one and save on from it to make it live)"
+        )
     return OK
 
 

@@ -104,7 +104,9 @@ CREATE TABLE IF NOT EXISTS retiring (
     PRIMARY KEY (job, step)
 );
 """
-SCHEMA_VERSION = 3
+# Schema 4: each save's parent, the step its state descends from (NULL: not recorded), so
+# retention follows the job's live line (docs/concepts.md, Rollbacks and the live line).
+SCHEMA_VERSION = 4
 
 
 def migrate(db: sqlite3.Connection) -> None:
@@ -114,6 +116,10 @@ def migrate(db: sqlite3.Connection) -> None:
         db.executescript(TIERS_SCHEMA)
     if version < 3:
         db.executescript(RETIRING_SCHEMA)
+    if version < 4:
+        columns = {row[1] for row in db.execute("PRAGMA table_info(saves)")}
+        if "parent" not in columns:
+            db.execute("ALTER TABLE saves ADD COLUMN parent INTEGER")
     if version < SCHEMA_VERSION:
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
@@ -147,6 +153,7 @@ class SaveRecord:
     manifest_blake3: str = ""
     draft: str | None = None
     keep_last: int = 0
+    parent: int | None = None
 
     def answer(self) -> StatusResult:
         """What a rank asking about this save is told (as Session.answer for a live one)."""
@@ -256,14 +263,20 @@ class Catalog:
         await self._write((_SET_GENERATION, (job, generation)))
 
     async def record_begin(
-        self, job: str, step: int, generation: int, world_size: int, keep_last: int = 0
+        self,
+        job: str,
+        step: int,
+        generation: int,
+        world_size: int,
+        keep_last: int = 0,
+        parent: int | None = None,
     ) -> None:
         """A new save, OPEN (replacing an earlier generation's row of the step)."""
         await self._write(
             (
                 "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, "
-                "created_unix, keep_last) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (job, step, generation, world_size, OPEN, now(), keep_last),
+                "created_unix, keep_last, parent) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (job, step, generation, world_size, OPEN, now(), keep_last, parent),
             )
         )
 
@@ -369,8 +382,8 @@ class Catalog:
         """A step found on storage, recorded as storage describes it."""
         self._wdb.execute(
             "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, reason, "
-            "bytes, created_unix, committed_unix, manifest_blake3) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "bytes, created_unix, committed_unix, manifest_blake3, parent) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 rec.job,
                 rec.step,
@@ -382,6 +395,7 @@ class Catalog:
                 rec.created_unix,
                 rec.committed_unix,
                 rec.manifest_blake3,
+                rec.parent,
             ),
         )
 
@@ -402,7 +416,8 @@ class Catalog:
     def save(self, job: str, step: int) -> SaveRecord | None:
         row = self.db.execute(
             "SELECT job, step, generation, world_size, status, reason, bytes, created_unix, "
-            "committed_unix, manifest_blake3, draft, keep_last FROM saves WHERE job=? AND step=?",
+            "committed_unix, manifest_blake3, draft, keep_last, parent FROM saves "
+            "WHERE job=? AND step=?",
             (job, step),
         ).fetchone()
         return None if row is None else SaveRecord(*row)
@@ -410,7 +425,7 @@ class Catalog:
     def saves(self, job: str | None = None, status: str | None = None) -> list[SaveRecord]:
         sql = (
             "SELECT job, step, generation, world_size, status, reason, bytes, created_unix, "
-            "committed_unix, manifest_blake3, NULL, keep_last FROM saves"
+            "committed_unix, manifest_blake3, NULL, keep_last, parent FROM saves"
         )
         cond, args = [], []
         if job is not None:

@@ -272,6 +272,7 @@ class Coordinator(Recovery):
         allow_divergent: bool = False,
         keep_last: int = 0,
         timeout_s: float | None = None,
+        parent: int | None = None,
     ) -> BeginResult:
         job = self._check_ref(ref)
         if not (1 <= parts <= 100_000 and 0 <= part < parts):
@@ -304,11 +305,11 @@ class Coordinator(Recovery):
                     f"job {job!r} step {ref.step} ({layout.step_dir(ref.step)}) is already "
                     "committed in storage; save under a new step"
                 )
-            s = Session(job, ref.step, ref.generation, ref.world_size, keep_last)
+            s = Session(job, ref.step, ref.generation, ref.world_size, keep_last, parent)
             s.barrier_deadline = time.monotonic() + (timeout_s or self.barrier_timeout_s)
             self.sessions[(job, ref.step)] = s
             await self.catalog.record_begin(
-                job, ref.step, ref.generation, ref.world_size, keep_last
+                job, ref.step, ref.generation, ref.world_size, keep_last, parent
             )
         s = self._session(ref, job)
         if s.status == ABORTED:
@@ -509,7 +510,7 @@ class Coordinator(Recovery):
         )
         self._finish(s)
         if s.keep_last > 0:
-            self._spawn(self._retention(s.job, s.keep_last))
+            self._spawn(self._retention(s.job, s.keep_last, s.step))
 
     async def await_commit(self, ref: SaveRef, timeout_s: float | None = None) -> StatusResult:
         job = self._check_ref(ref)
@@ -691,11 +692,12 @@ class Coordinator(Recovery):
                 if reason is not None:
                     await self._abort(s, reason)
 
-    async def _retention(self, job: str, keep_last: int) -> None:
+    async def _retention(self, job: str, keep_last: int, committed: int) -> None:
         """Carry out the job's retention plan (ckptd.coordinator.retention, the one rule).
 
         A retired step is listed in the catalog's `retiring` table before anything of it is
-        removed, so a restart finishes exactly these steps (`_finish_retention`)."""
+        removed, so a restart finishes exactly these steps (`_finish_retention`). The step
+        just `committed` is never removed by its own commit's retention."""
         st = self.storage(job)
         try:
             dirs = await asyncio.to_thread(retention.step_dirs, st)
@@ -704,7 +706,7 @@ class Coordinator(Recovery):
             return
         in_flight = {step for j, step in self.sessions if j == job}
         steps = retention.from_catalog(self.catalog.saves(job), dirs, in_flight)
-        plan = retention.plan(steps, keep_last)
+        plan = retention.plan(steps, keep_last, keep=(committed,))
         await retention.carry_out(
             self.catalog, st, job, plan, began=lambda step: (job, step) in self.sessions
         )

@@ -147,6 +147,7 @@ class Recovery:
                         m.created_unix,
                         m.created_unix,
                         hashing.digest(data),
+                        parent=m.parent,
                     )
                 )
                 gen = max(gen, m.generation)

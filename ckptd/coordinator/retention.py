@@ -8,10 +8,11 @@ removing it, so a restart finishes the removal), `ckpt.apply_retention` and the 
 (`from_catalog`, `from_storage`) and in what they record (`carry_out` records in the
 catalog, `apply` nothing); never in what is removed.
 
-The promise: never the newest committed step, never anything that has no committed step
-after it, never a save in flight, never a manifest that cannot be read (it may be whole).
-A later rule (rollbacks: a job's "live line" is what it saved last, not the largest step)
-changes `plan` alone: the states carry when each step was saved for that.
+The promise: only steps of the job's live line (`ckfmt.live_line`: the save made last,
+back through each step's parent) are retired, never the newest `keep_last` of it, never
+the save the plan runs for (`keep`), never a step off the line (an abandoned branch after a
+rollback: kept and listed, `ckptctl list`, until the user removes it), never a save in
+flight, never a manifest that cannot be read (it may be whole).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class StepState:
     step: int
     status: str
     saved_unix: float = 0.0  # when it was saved (0: unknown); the order of a live line
+    parent: int | None = None  # the step it descends from (None: not recorded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,31 +66,40 @@ class RetentionPlan:
         return tuple(sorted(self.retire + self.debris))
 
 
-def plan(steps: Iterable[StepState], keep_last: int) -> RetentionPlan:
-    """The rule: keep the newest `keep_last` committed steps, remove what is behind them.
+def plan(steps: Iterable[StepState], keep_last: int, keep: Collection[int] = ()) -> RetentionPlan:
+    """The rule: keep the newest `keep_last` committed steps of the live line, remove the
+    line behind them.
 
-    - committed steps older than the newest `keep_last` committed ones are retired;
-    - a quarantined step is retired once `keep_last` committed steps are newer than it;
-    - unfinished step directories older than the newest committed step are debris;
-    - nothing at or after the newest committed step, nothing in flight, nothing unreadable,
-      and nothing at all while no step is committed.
+    - the live line is `ckfmt.live_line` over the committed and quarantined steps;
+    - committed steps of the line behind its newest `keep_last` committed ones are retired;
+    - a quarantined step of the line is retired once `keep_last` committed steps of the
+      line are ahead of it;
+    - unfinished step directories below the line's newest committed step are debris;
+    - nothing off the line (an abandoned branch), nothing in `keep` (the save a commit's
+      retention runs for: a save reported committed is never removed by its own commit),
+      nothing in flight, nothing unreadable, and nothing at all while no step is committed.
     """
     if keep_last < 1:
         raise ValueError(
             f"keep_last must be at least 1 (the newest checkpoint is always kept), got {keep_last}"
         )
-    by_status: dict[str, list[int]] = {}
-    for s in steps:
-        by_status.setdefault(s.status, []).append(s.step)
-    committed = sorted(by_status.get(COMMITTED, []))
+    steps = list(steps)
+    status = {s.step: s.status for s in steps}
+    line = ckfmt.live_line(
+        (s for s in steps if s.status in (COMMITTED, QUARANTINED)),
+        gaps={s.step for s in steps if s.status in (UNFINISHED, UNREADABLE)},
+    )
+    committed = [k for k in line if status[k] == COMMITTED]  # head first
     if not committed:
         return RetentionPlan()
-    newest = committed[-1]
-    retire = committed[:-keep_last]
+    retire = committed[keep_last:]
     if len(committed) >= keep_last:
-        oldest_kept = committed[-keep_last]
-        retire += [q for q in by_status.get(QUARANTINED, []) if q < oldest_kept]
-    debris = [u for u in by_status.get(UNFINISHED, []) if u < newest]
+        behind = line[line.index(committed[keep_last - 1]) + 1 :]
+        retire += [q for q in behind if status[q] == QUARANTINED]
+    newest = max(committed[:keep_last])
+    debris = [s.step for s in steps if s.status == UNFINISHED and s.step < newest]
+    retire = [k for k in retire if k not in keep]
+    debris = [k for k in debris if k not in keep]
     return RetentionPlan(tuple(sorted(retire)), tuple(sorted(debris)))
 
 
@@ -97,7 +108,8 @@ def from_storage(storage: Storage, in_flight: Collection[int] = ()) -> list[Step
     """The steps of a job directory as storage alone tells them (no catalog)."""
     out = []
     for info in ckfmt.list_steps(storage):
-        saved = info.manifest.created_unix if info.manifest is not None else 0.0
+        m = info.manifest
+        saved, parent = (m.created_unix, m.parent) if m is not None else (0.0, None)
         if info.step in in_flight:
             status = IN_FLIGHT
         elif info.status == ckfmt.COMMITTED:
@@ -108,7 +120,7 @@ def from_storage(storage: Storage, in_flight: Collection[int] = ()) -> list[Step
             status = UNFINISHED
         else:  # INVALID: a manifest this reader cannot parse may still be whole
             status = UNREADABLE
-        out.append(StepState(info.step, status, saved))
+        out.append(StepState(info.step, status, saved, parent))
     return out
 
 
@@ -124,9 +136,9 @@ def from_catalog(
     out: dict[int, StepState] = {}
     for rec in records:
         if rec.status == SAVE_COMMITTED:
-            out[rec.step] = StepState(rec.step, COMMITTED, rec.committed_unix)
+            out[rec.step] = StepState(rec.step, COMMITTED, rec.committed_unix, rec.parent)
         elif rec.status == SAVE_QUARANTINED:
-            out[rec.step] = StepState(rec.step, QUARANTINED, rec.committed_unix)
+            out[rec.step] = StepState(rec.step, QUARANTINED, rec.committed_unix, rec.parent)
         elif rec.status in (SAVE_OPEN, SAVE_COMMITTING):
             out[rec.step] = StepState(rec.step, IN_FLIGHT, rec.created_unix)
     for step in in_flight:

@@ -45,9 +45,18 @@ class RankPlan:
 
 
 class Session:
-    def __init__(self, job: str, step: int, generation: int, world_size: int, keep_last: int):
+    def __init__(
+        self,
+        job: str,
+        step: int,
+        generation: int,
+        world_size: int,
+        keep_last: int,
+        parent: int | None = None,
+    ):
         self.job, self.step, self.generation, self.world_size = job, step, generation, world_size
         self.keep_last = keep_last
+        self.parent = parent  # the step this state descends from, into the manifest
         self.status = OPEN
         self.reason = ""
         self.plans: dict[int, RankPlan] = {}
@@ -170,6 +179,8 @@ class SaveIdentity(Protocol):
     def generation(self) -> int: ...
     @property
     def world_size(self) -> int: ...
+    @property
+    def parent(self) -> int | None: ...
 
 
 def manifest_of(
@@ -190,6 +201,7 @@ def manifest_of(
         shards=[rep.shard_info(r) for r, rep in sorted(reports.items())],
         state=state,
         metadata=metadata or {},
+        parent=save.parent,
     )
 
 

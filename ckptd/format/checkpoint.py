@@ -20,7 +20,8 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
+from typing import Protocol
 
 from ckptd import knobs
 from ckptd.errors import (
@@ -200,19 +201,101 @@ def read_manifest(storage: Storage, step: int, *, blake3: str | None = None) -> 
     return m
 
 
+class Lineage(Protocol):
+    """What the live line needs of a step: its number, its parent, when it was saved."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def parent(self) -> int | None: ...
+    @property
+    def saved_unix(self) -> float: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LineStep:
+    step: int
+    parent: int | None
+    saved_unix: float
+
+
+def live_line(steps: Iterable[Lineage], gaps: Collection[int] = ()) -> list[int]:
+    """The job's live line, head first: the one rule for "newest" (docs/concepts.md,
+    Rollbacks and the live line), used by the load policy (ckpt._load) and by retention.
+
+    The head is the step saved last (by `saved_unix`, commit order; ties by step), and the
+    line runs back through each step's parent. A step without a recorded parent (a job's
+    first save, or a manifest from before lineage was recorded) continues the line in step
+    order, the highest lower step next; when no step records a parent at all the head is
+    the highest step. So a job that never rolled back has the line it always had, and
+    after a rollback the steps of the abandoned branch are on no line. A parent in `gaps`
+    (a step directory whose manifest is missing or unreadable: damage, not a removal)
+    continues the line in step order below it; a parent that is gone altogether (retired)
+    ends the line.
+    """
+    by_step = {s.step: s for s in steps}
+    if not by_step:
+        return []
+    if any(s.parent is not None for s in by_step.values()):
+        head = max(by_step.values(), key=lambda s: (s.saved_unix, s.step)).step
+    else:
+        head = max(by_step)
+    line = [head]
+    while True:
+        cur = by_step[line[-1]]
+        nxt: int | None
+        if cur.parent in by_step:
+            nxt = cur.parent
+        elif cur.parent is None or cur.parent in gaps:
+            below = cur.step if cur.parent is None else cur.parent
+            nxt = max((k for k in by_step if k < below and k not in line), default=None)
+        else:
+            nxt = None
+        if nxt is None or nxt in line:  # a cycle (hand-edited manifests) ends the line
+            return line
+        line.append(nxt)
+
+
+def line_of(infos: Iterable[StepInfo]) -> list[int]:
+    """The live line of listed steps (`list_steps`): those with a manifest, head first.
+
+    A quarantined step stays on the line (it is an ancestor); loads skip it."""
+    infos = list(infos)
+    return live_line(
+        (
+            LineStep(s.step, s.manifest.parent, s.manifest.created_unix)
+            for s in infos
+            if s.manifest is not None and s.status in (COMMITTED, QUARANTINED)
+        ),
+        gaps={s.step for s in infos if s.status in (INCOMPLETE, INVALID)},
+    )
+
+
+def head_of(infos: Iterable[StepInfo]) -> int | None:
+    """What a load without a step loads first: the newest committed (not quarantined)
+    step of the live line; None when the line has none."""
+    infos = list(infos)
+    committed = {s.step for s in infos if s.status == COMMITTED}
+    return next((k for k in line_of(infos) if k in committed), None)
+
+
 def latest_step(storage: Storage) -> int | None:
-    """The newest committed step that is not quarantined, or None."""
-    committed = [s.step for s in list_steps(storage) if s.status == COMMITTED]
-    return committed[-1] if committed else None
+    """The head of the job's live line (what resume loads), or None (`head_of`)."""
+    return head_of(list_steps(storage))
 
 
 def resolve_step(storage: Storage, step: int | None) -> int:
     if step is not None:
         return layout.check_step(step)
     steps = list_steps(storage)
-    committed = [s.step for s in steps if s.status == COMMITTED]
-    if committed:
-        return committed[-1]
+    head = head_of(steps)
+    if head is not None:
+        return head
+    if any(s.status == COMMITTED for s in steps):
+        raise CheckpointNotFound(
+            f"{storage.url}: the live line holds no committed step (its steps are "
+            "quarantined); load an abandoned step by its number (ckptctl list shows them)"
+        )
     if steps:
         detail = "; ".join(f"step {s.step}: {s.status.lower()} ({s.error})" for s in steps[-5:])
         raise CheckpointNotFound(
@@ -223,7 +306,7 @@ def resolve_step(storage: Storage, step: int | None) -> int:
 
 
 def committed_steps(storage: Storage) -> list[int]:
-    """Committed, not quarantined steps, newest first (the order a load tries them in)."""
+    """Committed, not quarantined steps, highest step first (on the live line or not)."""
     return [s.step for s in reversed(list_steps(storage)) if s.status == COMMITTED]
 
 

@@ -119,6 +119,9 @@ class Manifest:
     state: Any  # node tree (ckptd.format.values)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     created_unix: float = dataclasses.field(default_factory=time.time)
+    # The step this state descends from (the job's last save or load before it); None:
+    # not recorded (a job's first save, or a manifest written before lineage was).
+    parent: int | None = None
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -130,6 +133,7 @@ class Manifest:
             "world_size": self.world_size,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created_unix)),
             "created_unix": self.created_unix,
+            "parent": self.parent,
             "block_size": self.block_size,
             "alignment": self.alignment,
             "hash": hashing.HASH_NAME,
@@ -238,6 +242,12 @@ def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:
     if not 0 <= created < 1e11:
         raise InvalidManifest(f"{what}: created_unix {str(created)[:40]} is not a plausible time")
     metadata = _field(doc, "metadata", dict, what)
+    parent = doc.get("parent")  # optional: manifests before lineage have none
+    if parent is not None:
+        try:
+            parent = layout.check_step(parent)
+        except ValueError as e:
+            raise InvalidManifest(f"{what}: parent: {e}") from None
     shards_doc = _field(doc, "shards", list, what)
     shards: list[ShardInfo] = []
     seen_ranks: set[int] = set()
@@ -279,6 +289,7 @@ def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:
         state=state,
         metadata=metadata,
         created_unix=float(created),
+        parent=parent,
     )
 
 

@@ -112,6 +112,7 @@ class CoordinatorClient:
         allow_divergent: bool,
         keep_last: int,
         timeout_s: float,
+        parent: int | None = None,
     ) -> BeginResult:
         what = _what(ref)
         parts = max(1, -(-len(chunks) // PLAN_PART_CHUNKS))
@@ -131,6 +132,7 @@ class CoordinatorClient:
                 allow_divergent_replicas=allow_divergent,
                 keep_last=keep_last,
                 timeout_ms=int(timeout_s * 1000),
+                parent=parent,
             )
             # The last part waits at the barrier for every rank.
             r = self._call(

@@ -160,6 +160,11 @@ def record_from_pb(i: pb.CheckpointInfo) -> SaveRecord:
     )
 
 
+def parent_from_pb(r: pb.BeginSaveRequest) -> int | None:
+    """A BeginSave's parent step: None when the client recorded none (the field unset)."""
+    return int(r.parent) if r.HasField("parent") else None
+
+
 def begin_to_pb(r: types.BeginResult) -> pb.BeginSaveResponse:
     return pb.BeginSaveResponse(
         shard_path=r.shard_path,

@@ -69,6 +69,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             allow_divergent=request.allow_divergent_replicas,
             keep_last=request.keep_last,
             timeout_s=request.timeout_ms / 1000 if request.timeout_ms else None,
+            parent=cv.parent_from_pb(request),
         )
         return cv.begin_to_pb(begun)
 

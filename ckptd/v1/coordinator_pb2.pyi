@@ -71,7 +71,7 @@ class Chunk(_message.Message):
     def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunk_offsets: _Optional[_Iterable[int]] = ..., chunk_sizes: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., blake3: _Optional[str] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("ref", "chunks", "part", "parts", "state", "metadata", "allow_divergent_replicas", "keep_last", "timeout_ms")
+    __slots__ = ("ref", "chunks", "part", "parts", "state", "metadata", "allow_divergent_replicas", "keep_last", "timeout_ms", "parent")
     REF_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class BeginSaveRequest(_message.Message):
     ALLOW_DIVERGENT_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     ref: SaveRef
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
     part: int
@@ -90,7 +91,8 @@ class BeginSaveRequest(_message.Message):
     allow_divergent_replicas: bool
     keep_last: int
     timeout_ms: int
-    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., state: _Optional[bytes] = ..., metadata: _Optional[bytes] = ..., allow_divergent_replicas: _Optional[bool] = ..., keep_last: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    parent: int
+    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., state: _Optional[bytes] = ..., metadata: _Optional[bytes] = ..., allow_divergent_replicas: _Optional[bool] = ..., keep_last: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., parent: _Optional[int] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
     __slots__ = ("shard_path", "index_path", "write", "lease_ms", "warnings", "complete")

@@ -152,6 +152,10 @@ class Checkpointer:
         # The process group's store: ranks agree on resume and preemption steps through it.
         self._store = _world.dist_store() if self.world_size > 1 else None
         self._last_step: int | None = None  # the newest step saved or resumed here
+        # The step the next save descends from (its manifest's parent): the step last saved
+        # or loaded here; _JOB_HEAD before either (the job's live head, looked up once).
+        self._parent: int | None | _Unset = _JOB_HEAD
+        self._parent_before: int | None | _Unset = _JOB_HEAD  # before the save in flight
         self._signals = tuple(preemption_signals) if save_on_preemption else ()
         self.exit_on_preemption = exit_on_preemption
         self._stop_plan = _hooks.StopPlan(
@@ -226,6 +230,8 @@ class Checkpointer:
                 )
                 return PendingSave(step, skipped=True)
             prev.join()
+        if prev is not None and prev.failed and self._parent == prev.step:
+            self._parent = self._parent_before  # a save that failed is nobody's parent
         self._raise_unseen(prev)
         ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
         t0 = time.perf_counter()
@@ -247,11 +253,12 @@ class Checkpointer:
         pending.bytes = job.size
         self._inflight = pending
         self._last_step = step
+        parent, self._parent_before, self._parent = self._parent, self._parent, step
         if blocking:
-            self._persist(job, pending)
+            self._persist(job, pending, parent)
             pending.wait()
             return pending
-        self._worker.submit(self._persist, job, pending)
+        self._worker.submit(self._persist, job, pending, parent)
         return pending
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
@@ -277,11 +284,14 @@ class Checkpointer:
             return
         raise err
 
-    def _persist(self, job: SaveJob, pending: PendingSave) -> None:
+    def _persist(self, job: SaveJob, pending: PendingSave, parent: int | None | _Unset) -> None:
         """The background part of a save; records the outcome in `pending`, never raises."""
         t0 = time.perf_counter()
         try:
-            result = self._commit(job, pending, t0)
+            if isinstance(parent, _Unset):
+                # Nothing saved or loaded here yet: the state continues the job's live line.
+                parent = ckfmt.latest_step(self.storage)
+            result = self._commit(job, pending, t0, parent)
         except BaseException as e:  # handed to the training loop through the PendingSave
             pending.timings.persist_s = time.perf_counter() - t0
             pending.settle(None, e)
@@ -302,7 +312,9 @@ class Checkpointer:
         if self._mirror is not None:
             self._mirror.submit(job.step)  # committed locally: now the copy to the mirror
 
-    def _commit(self, job: SaveJob, pending: PendingSave, t0: float) -> SaveResult:
+    def _commit(
+        self, job: SaveJob, pending: PendingSave, t0: float, parent: int | None
+    ) -> SaveResult:
         """Hash, plan with the coordinator, write what this rank was assigned, commit."""
         save = RankSave(self.client, job.ref, timeout_s=self.timeout_s)
         try:
@@ -320,6 +332,7 @@ class Checkpointer:
                 metadata=job.metadata,
                 allow_divergent=self.allow_divergent,
                 keep_last=job.options.keep_last,
+                parent=parent,
             )
         except BaseException:
             job.abort()
@@ -378,14 +391,16 @@ class Checkpointer:
         cast: bool = False,
         fallback: bool = True,
     ) -> LoadResult:
-        """Load `step` (default: newest committed) into `state` on this rank, verified.
+        """Load `step` (default: the head of the job's live line) into `state` on this
+        rank, verified; the next save descends from the step loaded (a rollback when it is
+        an older one: docs/concepts.md, Rollbacks and the live line).
 
         Reshards to this rank's DTensor placements whatever the world size at save time;
         keys/strict/cast/fallback as in ckpt.load. With fallback and no explicit step,
         every rank of an initialized process group must call this (they agree on the step).
         """
         self._check_open()
-        return load_from_tiers(
+        res = load_from_tiers(
             self.tiers,
             state,
             step=step,
@@ -397,6 +412,8 @@ class Checkpointer:
             on_quarantine=self._tier_quarantined,
             catalog_blake3=self._catalog_blake3,
         )
+        self._parent = self._parent_before = res.step
+        return res
 
     def _catalog_blake3(self, step: int) -> str | None:
         """The manifest digest the coordinator committed for `step`; None if it never saw
@@ -452,6 +469,7 @@ class Checkpointer:
             )
 
     def latest_step(self) -> int | None:
+        """The head of the job's live line: what resume or load() without a step loads."""
         return ckfmt.latest_step(self.storage)
 
     # -- resume and the training loop ---------------------------------------------------
@@ -668,6 +686,13 @@ _open: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
 @atexit.register
+class _Unset:
+    """The parent of a Checkpointer's first save before it is looked up."""
+
+
+_JOB_HEAD = _Unset()
+
+
 def _close_all() -> None:
     for cp in list(_open):
         try:

@@ -4,9 +4,11 @@ A job has one tier (its directory) or several, nearest first (the directory, the
 mirror); a load is `load_from_tiers(tiers, state, ...)` either way. Restoring one step
 from one storage is ckpt._restore's; this module decides around it:
 
-- Which step. An explicit `step` is that step, whatever markers say. Otherwise the newest
-  step that is committed (manifest present, not quarantined) in some tier, in the view of
-  every rank (see _agreed_newest for why every rank's view, not any rank's).
+- Which step. An explicit `step` is that step, whatever markers say. Otherwise the head of
+  the job's live line (`ckfmt.live_line`: the step saved last, back through each step's
+  parent; after a rollback the abandoned branch is on no line) that is committed
+  (manifest present, not quarantined) in some tier, in the view of every rank (see
+  _agreed_newest for why every rank's view, not any rank's).
 - Which copies. For that step, each tier's copy nearest first: with an explicit step every
   tier is asked (each says why not); otherwise the copies this rank sees committed. A
   rank stops at its first copy that loads; ranks need not agree on the tier, since every
@@ -16,7 +18,7 @@ from one storage is ckpt._restore's; this module decides around it:
   the tier is unreachable, the step is not in that tier) send the rank to the next copy;
   anything else (StateMismatch: the target does not match) fails the load at once.
 - Fallback. Only a load that chooses its step (no explicit step, fallback=True) moves on
-  to older steps: when any rank could load no copy of the step, every rank moves to the
+  to older steps of the live line, never to an abandoned branch: when any rank could load no copy of the step, every rank moves to the
   next older one together (one all_reduce per decision, ckpt._agree), and only such a
   load quarantines: a damaged copy gets QUARANTINED.json in its tier (kept if a peer wrote
   it first) and on_quarantine(tier, step, reason) is called; an unreadable copy is skipped
@@ -78,10 +80,9 @@ def _listings(tiers: Sequence[Tier]) -> list[list[ckfmt.StepInfo]]:
 _RANK = {ckfmt.COMMITTED: 0, ckfmt.QUARANTINED: 1, ckfmt.INVALID: 2, ckfmt.INCOMPLETE: 3}
 
 
-def tier_steps(tiers: Sequence[Tier]) -> list[ckfmt.StepInfo]:
-    """Each step's best status over the tiers (COMMITTED when any tier holds it whole)."""
+def _best(listings: Sequence[list[ckfmt.StepInfo]]) -> list[ckfmt.StepInfo]:
     best: dict[int, ckfmt.StepInfo] = {}
-    for steps in _listings(tiers):
+    for steps in listings:
         for s in steps:
             old = best.get(s.step)
             if old is None or _RANK.get(s.status, 9) < _RANK.get(old.status, 9):
@@ -89,19 +90,47 @@ def tier_steps(tiers: Sequence[Tier]) -> list[ckfmt.StepInfo]:
     return [best[k] for k in sorted(best)]
 
 
-def holders(tiers: Sequence[Tier]) -> dict[int, list[str]]:
-    """For each step, the names of the tiers whose copy is committed (not quarantined)."""
+def tier_steps(tiers: Sequence[Tier]) -> list[ckfmt.StepInfo]:
+    """Each step's best status over the tiers (COMMITTED when any tier holds it whole)."""
+    return _best(_listings(tiers))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Line:
+    """The live line as this rank sees it over the tiers: for each of its steps, the tiers
+    whose copy is committed (`held`) and the step's commit time in microseconds (`key`:
+    the same on every rank, from the same manifest bytes, and older towards the tail)."""
+
+    held: dict[int, list[str]]
+    key: dict[int, int]
+
+    def step_of(self, key: int) -> int:
+        return next((s for s, k in self.key.items() if k == key), -1)
+
+
+def live_holders(tiers: Sequence[Tier]) -> _Line:
+    """The committed (not quarantined) copies of the live line's steps, over the tiers."""
+    listings = _listings(tiers)
+    best = {s.step: s for s in _best(listings)}
+    line = ckfmt.line_of(best.values())
     out: dict[int, list[str]] = {}
-    for (name, _), steps in zip(tiers, _listings(tiers), strict=True):
+    for (name, _), steps in zip(tiers, listings, strict=True):
         for s in steps:
             if s.status == ckfmt.COMMITTED:
                 out.setdefault(s.step, []).append(name)
-    return {k: out[k] for k in sorted(out)}
+    held = {k: out[k] for k in line if k in out}
+    key = {}
+    for k in held:
+        m = best[k].manifest
+        key[k] = int(m.created_unix * 1e6) if m is not None else 0
+    return _Line(held, key)
 
 
-def _agreed_newest(held: dict[int, list[str]], below: int | None) -> int:
-    """The newest step older than `below` that every rank sees committed in some tier; -1
-    when there is none. A collective: every rank calls it with its own `held`.
+def _agreed_newest(line: _Line, below: int | None) -> int:
+    """The newest step of the live line committed before `below` (a key; None: any) that
+    every rank sees committed in some tier; -1 when there is none. A collective: every rank
+    calls it with its own `line`. Steps are compared by commit time (`_Line.key`), which is
+    the same on every rank, as step numbers are not along a line that rolled back.
 
     Every rank's view, not any rank's: a step that some rank sees quarantined (a marker a
     peer, the coordinator or an operator wrote) or does not see at all (a listing that lags
@@ -111,13 +140,14 @@ def _agreed_newest(held: dict[int, list[str]], below: int | None) -> int:
     whole step. The ranks then load the agreed step by explicit step, ignoring markers, so
     a marker one rank writes while the others read cannot split them.
     """
-    bound = below
+    keys = set(line.key.values())
+    bound = line.key[below] if below is not None else None
     while True:
-        mine = max((s for s in held if bound is None or s < bound), default=-1)
+        mine = max((k for k in keys if bound is None or k < bound), default=-1)
         # No rank holds anything in (candidate, bound): the smallest of the ranks' newest.
         candidate = agree_min(mine)
-        if candidate < 0 or agree_min(int(candidate in held)):
-            return candidate
+        if candidate < 0 or agree_min(int(candidate in keys)):
+            return line.step_of(candidate) if candidate >= 0 else -1
         bound = candidate
 
 
@@ -144,7 +174,7 @@ def load_from_tiers(
     on_quarantine: Callable[[str, int, str], None] | None = None,
     catalog_blake3: Callable[[int], str | None] | None = None,
 ) -> LoadResult:
-    """Load `step` (default: the newest committed) into `state` from the nearest tier that
+    """Load `step` (default: the live line's head) into `state` from the nearest tier that
     holds a copy that verifies; the policy is the module docstring's.
 
     tiers: [(name, Storage), ...] nearest first; a job without a mirror is one tier.
@@ -159,22 +189,25 @@ def load_from_tiers(
     choose = step is None and fallback
     # An explicit step is asked of every tier: nothing to list.
     unlisted: Exception | None = None
+    line = _Line({}, {})
     try:
-        held = holders(tiers) if step is None else {}
+        if step is None:
+            line = live_holders(tiers)
     except Exception as e:  # noqa: BLE001 - raised below, once the peers know
         if not choose:
             raise
         # The peers wait in the first agreement: take part holding nothing (so every rank
         # stops), then raise this rank's own error.
-        held, unlisted = {}, e
+        unlisted = e
+    held = line.held
     if step is not None:
         at = layout.check_step(step)
     elif choose:
-        at = _agreed_newest(held, None)
+        at = _agreed_newest(line, None)
         if unlisted is not None:
             raise unlisted
     else:
-        at = max(held, default=-1)  # fallback=False: this rank's newest, no collective
+        at = next(iter(held), -1)  # fallback=False: this rank's head, no collective
     if at < 0 and not held:
         ckfmt.resolve_step(tiers[0][1], None)  # raises CheckpointNotFound with the details
         raise CheckpointNotFound(f"{_names(tiers)}: no tier holds a committed step")
@@ -232,7 +265,7 @@ def load_from_tiers(
             if len(failures) == 1 and failures[0].error is not None:
                 raise failures[0].error  # one copy tried: its error names the step and file
             raise _exhausted(tiers, f"no copy of step {at} could be loaded", failures)
-        older = _agreed_newest(held, at)
+        older = _agreed_newest(line, at)
         log.error(
             "CHECKPOINT STEP %d OF %s COULD NOT BE LOADED; %s",
             at,

@@ -52,9 +52,11 @@ class RankSave:
         metadata: dict[str, Any],
         allow_divergent: bool,
         keep_last: int | None,
+        parent: int | None = None,
     ) -> BeginResult:
         """BeginSave with this rank's plan: waits until every rank has joined, then says
-        which of the chunks this rank writes (replicas are written once) and its shard."""
+        which of the chunks this rank writes (replicas are written once) and its shard.
+        parent: the step this state descends from (recorded in the manifest)."""
         try:
             begun = self.client.begin_save(
                 self.ref,
@@ -64,6 +66,7 @@ class RankSave:
                 allow_divergent=allow_divergent,
                 keep_last=keep_last or 0,
                 timeout_s=self.timeout_s,
+                parent=parent,
             )
         except BaseException as e:
             if not isinstance(e, CkptError):  # a CkptError is the coordinator's own answer
