@@ -162,6 +162,7 @@ class _Placed:
     key: str
     first: int  # byte of its first element
     end: int  # byte after its last element
+    nbytes: int  # bytes of its elements (less than end - first for a strided view)
     offset: int  # storage_offset, in elements
     itemsize: int
     stride: tuple[int, ...]
@@ -287,10 +288,12 @@ class _Flattener:
         # The storage is identified before a copy to the CPU, which would give each key a
         # storage of its own (a device tensor under two keys would be stored twice).
         sig: tuple[Any, ...] | None = None
-        placed: tuple[tuple[Any, ...], tuple[int, int, int, int, tuple[int, ...]]] | None = None
+        placed: tuple[tuple[Any, ...], _Placed] | None = None  # (storage, place; key unset)
         if t.numel():
             storage = (t.device, t.untyped_storage().data_ptr())
+            # The conj/neg bits are part of the value: z.conj() is not z.
             sig = (*storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            sig += (t.is_conj(), t.is_neg())
             if sig in self.by_storage:
                 return self.by_storage[sig]
             # conj/neg views store resolved values, not their storage's bytes; a view
@@ -301,7 +304,7 @@ class _Flattener:
                 or t.is_neg()
                 or values.self_overlaps(list(t.shape), list(t.stride()))
             ):
-                placed = storage, _geometry(t)
+                placed = storage, _place(t)
         on_device = t.device.type != "cpu"
         if on_device and not self.keep_device:
             t = t.detach().to("cpu")
@@ -310,7 +313,7 @@ class _Flattener:
         if sig is not None:
             self.by_storage[sig] = key
         if placed is not None:
-            self.storages.setdefault(placed[0], []).append(_Placed(key, *placed[1]))
+            self.storages.setdefault(placed[0], []).append(dataclasses.replace(placed[1], key=key))
         if on_device:
             # The stager copies it device-to-host into pinned memory; no host copy here.
             src = t.detach().contiguous()
@@ -356,7 +359,6 @@ class _Flattener:
         self.leaves.append(Leaf(key, tag, name, list(a.shape), data, a))
         return key
 
-
     def record_views(self) -> None:
         """Give each tensor that shares its storage with another leaf its place in it."""
         for group in self.storages.values():
@@ -364,7 +366,7 @@ class _Flattener:
                 continue
             start = min(p.first for p in group) // _VIEW_ALIGN * _VIEW_ALIGN
             span = max(p.end for p in group) - start
-            if span > values.VIEW_SPAN_FACTOR * sum(p.end - p.first for p in group):
+            if span > values.VIEW_SPAN_FACTOR * sum(p.nbytes for p in group):
                 continue  # mostly bytes no key holds: restored independently
             name = group[0].key
             for p in group:
@@ -381,11 +383,12 @@ class _Flattener:
                         body["view"] = view
 
 
-def _geometry(t: torch.Tensor) -> tuple[int, int, int, int, tuple[int, ...]]:
-    """_Placed's fields after the key: where `t` sits in its storage."""
+def _place(t: torch.Tensor) -> _Placed:
+    """Where `t` sits in its storage (the key is set once the leaf has one)."""
     item = t.element_size()
-    first, end = values.view_range(t.storage_offset(), list(t.shape), list(t.stride()))
-    return first * item, end * item, t.storage_offset(), item, tuple(t.stride())
+    offset = int(t.storage_offset())
+    first, end = values.view_range(offset, list(t.shape), list(t.stride()))
+    return _Placed("", first * item, end * item, t.numel() * item, offset, item, t.stride())
 
 
 def flatten(state: Any, rank: int = 0, *, keep_device: bool = False) -> tuple[Any, list[Leaf]]:
