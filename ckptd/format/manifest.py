@@ -25,7 +25,7 @@ from ckptd.storage.paths import check_relative
 FORMAT_NAME = "ckptd"
 INDEX_FORMAT_NAME = "ckptd-shard-index"
 FORMAT_VERSION = 1
-MAX_DIMS = 64
+MAX_DIMS = values.MAX_DIMS  # one limit for entries' shapes and views' strides
 MAX_KEY_LEN = 4096
 MAX_ELEMENTS = 1 << 62
 

@@ -8,6 +8,11 @@ string) or an object with exactly one tag:
     {"list": [node, ...]}           {"tuple": [node, ...]}
     {"dict": [[key node, value node], ...]}     keys may be any scalar node
     {"tensor": "<entry key>"}       a torch.Tensor stored in the shards
+    {"tensor": {"key": "<entry key>", "requires_grad": true, "parameter": true,
+                "view": {"storage": "<name>", "offset": 0, "stride": [1, 4]}}}
+                                    the same, with what a load into a new structure
+                                    restores besides the values (every field but "key"
+                                    optional; see check_tensor_body)
     {"ndarray": "<entry key>"}      a numpy array stored as a tensor, restored as numpy
     {"npscalar": "<entry key>"}     a numpy scalar (0-d), restored as a numpy scalar
     {"stateful": node}              an object restored through load_state_dict(node)
@@ -15,11 +20,18 @@ string) or an object with exactly one tag:
                                     each rank restores its own entry
 
 The tag object makes every node unambiguous, whatever keys the user's dicts have.
+
+A tensor's "view" says which tensors shared one storage at save time: every tensor whose
+view names the same storage is rebuilt over one buffer on a load into a new structure,
+at `offset` (elements of its dtype, from the start of the range the group covers) with
+`stride`. Each view's bytes are still its own entry, so every reader that ignores the
+field (exports, reshards, in-place loads, older ckptd) reads plain tensors.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,7 +39,16 @@ from typing import Any
 from ckptd.errors import InvalidManifest
 
 MAX_DEPTH = 256
+MAX_DIMS = 64  # dimensions of a tensor (entries' shapes and views' strides)
+MAX_OFFSET = 1 << 62  # element offsets and strides of a view
+# Views of one storage are rebuilt over the range they cover only while that range is at
+# most this many times the bytes they hold: a save records no larger group (those views
+# come back independent), a load refuses one, so a load never allocates much more than
+# the checkpoint holds, whatever a manifest says.
+VIEW_SPAN_FACTOR = 2
 TENSOR_TAGS = ("tensor", "ndarray", "npscalar")
+_TENSOR_FIELDS = frozenset(("key", "requires_grad", "parameter", "view"))
+_VIEW_FIELDS = frozenset(("storage", "offset", "stride"))
 _TAGS = frozenset(("float", "bytes", "list", "tuple", "dict", "stateful", "per_rank", *TENSOR_TAGS))
 
 
@@ -101,6 +122,8 @@ def check_node(node: Any, where: str = "state", depth: int = 0) -> None:
             if isinstance(k, dict) and next(iter(k)) not in ("float", "bytes"):
                 raise InvalidManifest(f"{where}: dict keys must be scalars")
             check_node(v, f"{where}[{str(k)[:40]}]", depth + 1)
+    elif tag == "tensor" and isinstance(body, dict):
+        check_tensor_body(body, where)
     elif tag in TENSOR_TAGS:
         if not isinstance(body, str) or not body:
             raise InvalidManifest(f"{where}: {tag} must name an entry key")
@@ -119,6 +142,133 @@ def check_node(node: Any, where: str = "state", depth: int = 0) -> None:
             ):
                 raise InvalidManifest(f"{where}: per_rank items must be [rank, node] pairs")
             check_node(pair[1], f"{where}@rank{pair[0]}", depth + 1)
+
+
+def _is_index(v: Any, upper: int = MAX_OFFSET) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < upper
+
+
+def check_tensor_body(body: dict[str, Any], where: str) -> None:
+    """A tensor node's object body: its entry key and the optional fidelity fields."""
+    unknown = set(body) - _TENSOR_FIELDS
+    if unknown:
+        raise InvalidManifest(f"{where}: unknown tensor field(s) {sorted(unknown)[:4]}")
+    key = body.get("key")
+    if not isinstance(key, str) or not key:
+        raise InvalidManifest(f"{where}: tensor must name an entry key")
+    for flag in ("requires_grad", "parameter"):
+        if flag in body and not isinstance(body[flag], bool):
+            raise InvalidManifest(f"{where}: tensor field {flag!r} must be true or false")
+    if "view" not in body:
+        return
+    view = body["view"]
+    if not isinstance(view, dict) or set(view) != _VIEW_FIELDS:
+        raise InvalidManifest(
+            f"{where}: tensor view must be an object with exactly {sorted(_VIEW_FIELDS)}"
+        )
+    if not isinstance(view["storage"], str) or not view["storage"]:
+        raise InvalidManifest(f"{where}: tensor view's storage must be a non-empty string")
+    if not _is_index(view["offset"]):
+        raise InvalidManifest(
+            f"{where}: tensor view's offset {str(view['offset'])[:40]} is not an integer "
+            f"in [0, 2**62)"
+        )
+    stride = view["stride"]
+    if (
+        not isinstance(stride, list)
+        or len(stride) > MAX_DIMS
+        or not all(_is_index(x) for x in stride)
+    ):
+        raise InvalidManifest(
+            f"{where}: tensor view's stride must be a list of at most {MAX_DIMS} integers "
+            "in [0, 2**62)"
+        )
+
+
+def view_range(offset: int, shape: list[int], stride: list[int]) -> tuple[int, int]:
+    """[first, last + 1) elements a view of `shape`/`stride` at `offset` touches
+    (an empty range for an empty view)."""
+    if any(n == 0 for n in shape):
+        return offset, offset
+    return offset, offset + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1
+
+
+def self_overlaps(shape: list[int], stride: list[int]) -> bool:
+    """Whether two elements of a view share memory (an expand()ed or as_strided tensor):
+    such a view cannot be written element by element, so it is never rebuilt as one."""
+    dims = sorted((s, n) for n, s in zip(shape, stride, strict=True) if n > 1)
+    reach = 0  # elements spanned by the dimensions of smaller stride, minus one
+    for s, n in dims:
+        if s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
+
+
+@dataclasses.dataclass
+class ViewGroup:
+    """Tensors that were views of one storage at save time, rebuilt over one buffer."""
+
+    name: str
+    members: dict[str, tuple[int, list[int]]]  # entry key -> (element offset, stride)
+    span: int = 0  # bytes from the group's start to the end of its last view
+    disjoint: bool = True  # no two views share a byte (each can be read into place)
+
+
+def view_groups(
+    state: Any, geometry: Callable[[str], tuple[list[int], int]], where: str
+) -> dict[str, ViewGroup]:
+    """Every view group of a (validated) tree, checked against the entries' shapes.
+
+    geometry(key): the entry's (shape, itemsize). Raises InvalidManifest for a view that
+    does not fit its entry (stride rank, elements sharing memory), a key placed twice,
+    or a group spanning more than VIEW_SPAN_FACTOR times its views' bytes.
+    """
+    groups: dict[str, ViewGroup] = {}
+    placed: dict[str, tuple[str, int, list[int]]] = {}
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    held: dict[str, int] = {}  # bytes of the views' elements
+    for leaf in leaves(state):
+        if not (isinstance(leaf, dict) and isinstance(leaf.get("tensor"), dict)):
+            continue
+        body = leaf["tensor"]
+        view = body.get("view")
+        if view is None:
+            continue
+        key, name, offset, stride = body["key"], view["storage"], view["offset"], view["stride"]
+        kw = f"{where}: tensor {key!r}"
+        if key in placed:
+            if placed[key] != (name, offset, stride):
+                raise InvalidManifest(f"{kw} is placed twice, differently; the manifest was edited")
+            continue
+        placed[key] = (name, offset, stride)
+        shape, itemsize = geometry(key)
+        if len(stride) != len(shape):
+            raise InvalidManifest(
+                f"{kw}: its view has {len(stride)} strides for {len(shape)} dimensions"
+            )
+        if self_overlaps(shape, stride):
+            raise InvalidManifest(f"{kw}: its view's strides {stride[:8]} overlap its elements")
+        g = groups.setdefault(name, ViewGroup(name, {}))
+        g.members[key] = (offset, stride)
+        first, end = view_range(offset, shape, stride)
+        ranges.setdefault(name, []).append((first * itemsize, end * itemsize))
+        held[name] = held.get(name, 0) + math.prod(shape) * itemsize
+    for name, g in groups.items():
+        spans = sorted(r for r in ranges[name] if r[1] > r[0])
+        g.span = max((end for _, end in spans), default=0)
+        if g.span > VIEW_SPAN_FACTOR * held[name]:
+            raise InvalidManifest(
+                f"{where}: the views of storage {name[:200]!r} span {g.span} bytes, over "
+                f"{VIEW_SPAN_FACTOR}x the {held[name]} bytes they hold; the manifest was edited"
+            )
+        g.disjoint = all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    return groups
+
+
+def tensor_key(body: Any) -> str:
+    """The entry key of a (validated) tensor reference's body."""
+    return body if isinstance(body, str) else str(body["key"])
 
 
 def leaves(node: Any) -> Iterator[Any]:
@@ -148,7 +298,7 @@ def tensor_ref(leaf: Any) -> tuple[str, str] | None:
     if isinstance(leaf, dict):
         ((tag, body),) = leaf.items()
         if tag in TENSOR_TAGS:
-            return tag, body
+            return tag, tensor_key(body)
     return None
 
 
@@ -178,7 +328,7 @@ def decode(node: Any, tensor: Callable[[str, str], Any]) -> Any:
     if tag == "dict":
         return {decode_scalar(k): decode(v, tensor) for k, v in body}
     if tag in TENSOR_TAGS:
-        return tensor(tag, body)
+        return tensor(tag, tensor_key(body))
     if tag == "stateful":
         return decode(body, tensor)
     if tag == "per_rank":

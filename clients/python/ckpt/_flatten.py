@@ -7,6 +7,12 @@ components joined by '/' ('%' and '/' inside a component are escaped), e.g.
 'model/layers.0.weight' or 'optim/state/0/exp_avg'. Two paths that share one tensor
 (same storage, offset, shape, strides, dtype) share one leaf, so the bytes are stored once.
 
+Besides the values, a tensor's node records what a load into a new structure needs to
+give the tensor back as it was (values.check_tensor_body): requires_grad, whether it was
+an nn.Parameter, and, for distinct tensors that are views of one storage (w and w.t(),
+slices of one flat buffer), where each sits in that storage, so they share it again. The
+bytes stay one entry per view: each key remains a plain tensor to every other reader.
+
 Anything that is not one of those kinds is refused with an error naming its key: there
 is no pickle fallback.
 """
@@ -144,6 +150,23 @@ def _numpy_dtype_name(a: np.ndarray) -> str | None:
 
 _NO_BYTES = np.zeros(0, dtype=np.uint8)
 
+# Group starts are rounded down to this, so every view's byte offset from the start is a
+# whole number of its own elements (itemsizes are powers of two up to 16).
+_VIEW_ALIGN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    """Where one leaf's tensor sits in the storage it shares (bytes and elements)."""
+
+    key: str
+    first: int  # byte of its first element
+    end: int  # byte after its last element
+    nbytes: int  # bytes of its elements (less than end - first for a strided view)
+    offset: int  # storage_offset, in elements
+    itemsize: int
+    stride: tuple[int, ...]
+
 
 class _Flattener:
     def __init__(self, rank: int = 0, keep_device: bool = False) -> None:
@@ -152,6 +175,9 @@ class _Flattener:
         self.leaves: list[Leaf] = []
         self.keys: set[str] = set()
         self.by_storage: dict[tuple[Any, ...], str] = {}
+        # (device, storage pointer) -> the distinct leaves that are views of that storage
+        self.storages: dict[tuple[Any, ...], list[_Placed]] = {}
+        self.nodes: dict[str, list[dict[str, Any]]] = {}  # key -> its tensor nodes
 
     def unique_key(self, path: list[str]) -> str:
         key = "/".join(path) or "."
@@ -176,7 +202,7 @@ class _Flattener:
                 "flatten the structure"
             )
         if isinstance(obj, torch.Tensor):
-            return {"tensor": self.tensor(obj, path, where)}
+            return self.tensor_node(obj, path, where)
         if isinstance(obj, np.ndarray):
             return {"ndarray": self.ndarray(obj, path, where, "ndarray")}
         if isinstance(obj, np.generic):
@@ -219,7 +245,29 @@ class _Flattener:
                 "load_state_dict(); convert it to one of these (there is no pickle fallback)"
             ) from None
 
-    def tensor(self, t: torch.Tensor, path: list[str], where: str) -> str:
+    def tensor_node(self, t: torch.Tensor, path: list[str], where: str) -> dict[str, Any]:
+        """The node of a tensor: its key, and what a load into {} restores besides values.
+
+        Other subclasses than Parameter are stored as plain tensors: a load never imports
+        a class named in storage. A DTensor's attributes are its placement's (not stored).
+        """
+        if type(t).__name__ == "DTensor":
+            return {"tensor": self.dtensor(t, path, where)}
+        key = self.tensor(t, path, where)
+        body: dict[str, Any] = {"key": key}
+        if t.requires_grad:
+            body["requires_grad"] = True
+        if isinstance(t, torch.nn.Parameter):
+            body["parameter"] = True
+        node: dict[str, Any] = {"tensor": body if len(body) > 1 else key}
+        self.nodes.setdefault(key, []).append(node)
+        return node
+
+    def tensor(self, t: torch.Tensor, path: list[str], where: str, *, local: bool = False) -> str:
+        """The key of a tensor's leaf (a new leaf unless the same tensor was seen).
+
+        local: a DTensor's local shard (a box of a global tensor; never a view to rebuild).
+        """
         if type(t).__name__ == "DTensor":
             return self.dtensor(t, path, where)
         if t.layout != torch.strided:
@@ -237,19 +285,35 @@ class _Flattener:
                 f"state key {where!r}: dtype {t.dtype} is not supported; supported: "
                 f"{', '.join(dtypes.SUPPORTED)}"
             )
+        # The storage is identified before a copy to the CPU, which would give each key a
+        # storage of its own (a device tensor under two keys would be stored twice).
+        sig: tuple[Any, ...] | None = None
+        placed: tuple[tuple[Any, ...], _Placed] | None = None  # (storage, place; key unset)
+        if t.numel():
+            storage = (t.device, t.untyped_storage().data_ptr())
+            # The conj/neg bits are part of the value: z.conj() is not z.
+            sig = (*storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            sig += (t.is_conj(), t.is_neg())
+            if sig in self.by_storage:
+                return self.by_storage[sig]
+            # conj/neg views store resolved values, not their storage's bytes; a view
+            # whose elements share memory (expand()) cannot be written back element-wise
+            if not (
+                local
+                or t.is_conj()
+                or t.is_neg()
+                or values.self_overlaps(list(t.shape), list(t.stride()))
+            ):
+                placed = storage, _place(t)
         on_device = t.device.type != "cpu"
         if on_device and not self.keep_device:
             t = t.detach().to("cpu")
             on_device = False
-        sig = None
-        if t.numel():
-            st = t.untyped_storage()
-            sig = (st.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-            if sig in self.by_storage:
-                return self.by_storage[sig]
         key = self.unique_key(path)
         if sig is not None:
             self.by_storage[sig] = key
+        if placed is not None:
+            self.storages.setdefault(placed[0], []).append(dataclasses.replace(placed[1], key=key))
         if on_device:
             # The stager copies it device-to-host into pinned memory; no host copy here.
             src = t.detach().contiguous()
@@ -271,7 +335,7 @@ class _Flattener:
                 f"state key {where!r}: DTensor local shard {list(local.shape)} does not match its "
                 f"placement ({list(sizes)}); redistribute it before saving"
             )
-        key = self.tensor(local, path, where)
+        key = self.tensor(local, path, where, local=True)
         leaf = self.leaves[-1]
         if leaf.key == key:
             leaf.shape = list(t.shape)
@@ -295,6 +359,37 @@ class _Flattener:
         self.leaves.append(Leaf(key, tag, name, list(a.shape), data, a))
         return key
 
+    def record_views(self) -> None:
+        """Give each tensor that shares its storage with another leaf its place in it."""
+        for group in self.storages.values():
+            if len(group) < 2:
+                continue
+            start = min(p.first for p in group) // _VIEW_ALIGN * _VIEW_ALIGN
+            span = max(p.end for p in group) - start
+            if span > values.VIEW_SPAN_FACTOR * sum(p.nbytes for p in group):
+                continue  # mostly bytes no key holds: restored independently
+            name = group[0].key
+            for p in group:
+                view = {
+                    "storage": name,
+                    "offset": p.offset - start // p.itemsize,
+                    "stride": list(p.stride),
+                }
+                for node in self.nodes.get(p.key, ()):
+                    body = node["tensor"]
+                    if isinstance(body, str):
+                        node["tensor"] = {"key": body, "view": view}
+                    else:
+                        body["view"] = view
+
+
+def _place(t: torch.Tensor) -> _Placed:
+    """Where `t` sits in its storage (the key is set once the leaf has one)."""
+    item = t.element_size()
+    offset = int(t.storage_offset())
+    first, end = values.view_range(offset, list(t.shape), list(t.stride()))
+    return _Placed("", first * item, end * item, t.numel() * item, offset, item, t.stride())
+
 
 def flatten(state: Any, rank: int = 0, *, keep_device: bool = False) -> tuple[Any, list[Leaf]]:
     """(node tree, tensor leaves) of a state; raises UnsupportedValue naming the key.
@@ -304,4 +399,5 @@ def flatten(state: Any, rank: int = 0, *, keep_device: bool = False) -> tuple[An
     """
     f = _Flattener(rank, keep_device)
     node = f.walk(state, [], set())
+    f.record_views()
     return node, f.leaves

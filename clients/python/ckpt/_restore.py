@@ -12,6 +12,11 @@ destination; a saved chunk of the same box as the wanted one is one contiguous r
 Objects with load_state_dict() get their state after all reads, children before parents;
 assignments into the caller's dicts and lists happen only after every read succeeded.
 
+A tensor the target has no tensor for (a load into {}) is made new, as it was saved
+where the tree says so: requires_grad, an nn.Parameter, and views of one storage rebuilt
+over one buffer (values.view_groups) so that they share memory again. Loads into the
+target's own tensors keep the target's tensors as they are and ignore all of that.
+
 `restore_step` restores one step from one storage. The policy around it (which step,
 which tier's copy, what a failure means, the ranks agreeing) is ckpt._load's.
 """
@@ -135,6 +140,14 @@ class Planner:
         self.missing: list[str] = []
         self.unexpected: list[str] = []
         self._cuda = False  # a non-blocking host-to-device copy is in flight after read()
+        # The tensors made new for a load into {} (the object a key's references share),
+        # and the buffers of the view groups they are views of (checked before any
+        # tensor memory is allocated).
+        self.made: dict[str, torch.Tensor] = {}
+        self.groups = values.view_groups(
+            ckpt.manifest.state, self._geometry, f"{ckpt.storage.url} step {ckpt.step}"
+        )
+        self.bases: dict[str, torch.UntypedStorage] = {}
 
     @property
     def _where(self) -> str:
@@ -159,7 +172,7 @@ class Planner:
             return self._match(path)
         ((tag, body),) = node.items()
         if tag in values.TENSOR_TAGS:
-            return self._match(body)
+            return self._match(values.tensor_key(body))
         if tag in ("float", "bytes"):
             return self._match(path)
         if tag == "stateful":
@@ -293,7 +306,12 @@ class Planner:
     def _saved(self, key: str) -> IndexEntry:
         return saved_entry(self.ckpt, key)
 
-    def _tensor(self, key: str, target: Any, path: str) -> Any:
+    def _geometry(self, key: str) -> tuple[list[int], int]:
+        entry = self._saved(key)
+        return entry.shape, dtypes.itemsize(entry.dtype)
+
+    def _tensor(self, body: Any, target: Any, path: str) -> Any:
+        key = values.tensor_key(body)
         entry = self._saved(key)
         dtype = dtypes.from_name(entry.dtype)
         shape = tuple(entry.shape)
@@ -310,15 +328,46 @@ class Planner:
                 if self._check(target, dtype, shape, path):
                     self.after_read.insert(0, functools.partial(_copy, target, buf))
                 return target
-            return buf
+            return self.made.get(key, buf)
         if isinstance(target, torch.Tensor):
             if not self._check(target, dtype, shape, path):
                 return target
             self._into(key, target, dtype, (0,) * len(shape), shape)
             return target
-        buf = torch.empty(shape, dtype=dtype)
-        self.dests[key] = _Dest(key, buf, tensor_bytes(buf), (0,) * len(shape), shape)
-        return buf
+        attrs = body if isinstance(body, dict) else {}
+        if "view" in attrs:
+            buf = self._view(key, attrs["view"]["storage"], dtype, shape)
+        else:
+            buf = torch.empty(shape, dtype=dtype)
+            self.dests[key] = _Dest(key, buf, tensor_bytes(buf), (0,) * len(shape), shape)
+        made = self.made[key] = self._as_saved(key, buf, attrs)
+        return made
+
+    def _view(self, key: str, group: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Any:
+        """A new tensor over its view group's buffer, where it sat in its saved storage."""
+        g = self.groups[group]
+        base = self.bases.get(group)
+        if base is None:
+            # Zeroed: bytes of the range no loaded key covers are never seen uninitialized.
+            base = self.bases[group] = torch.zeros(g.span, dtype=torch.uint8).untyped_storage()
+        offset, stride = g.members[key]
+        t = torch.empty(0, dtype=dtype).set_(base, offset, shape, stride)
+        # Views that share bytes are each read into a buffer of their own and copied in
+        # after the reads: no two reads write one byte at once.
+        self._into(key, t, dtype, (0,) * len(shape), shape, direct=g.disjoint)
+        return t
+
+    def _as_saved(self, key: str, t: torch.Tensor, attrs: dict[str, Any]) -> torch.Tensor:
+        """`t` with the requires_grad and Parameter-ness it was saved with."""
+        grad = bool(attrs.get("requires_grad", False))
+        if grad and not (t.dtype.is_floating_point or t.dtype.is_complex):
+            raise InvalidManifest(
+                f"{self._where}: key {key!r} is marked requires_grad but its dtype "
+                f"{dtypes.name_of(t.dtype)} cannot require gradients; the manifest was edited"
+            )
+        if attrs.get("parameter"):
+            return torch.nn.Parameter(t, requires_grad=grad)
+        return t.requires_grad_(grad)
 
     def _into(
         self,
@@ -327,9 +376,12 @@ class Planner:
         dtype: torch.dtype,
         offsets: tuple[int, ...],
         sizes: tuple[int, ...],
+        *,
+        direct: bool = True,
     ) -> None:
-        """Make `target` (a tensor shaped like the box) the destination of `key`."""
-        if readable_in_place(target, dtype):
+        """Make `target` (a tensor shaped like the box) the destination of `key`
+        (read straight into it when it can be and `direct`, else staged and copied)."""
+        if direct and readable_in_place(target, dtype):
             t = target.detach()
             self.dests[key] = _Dest(key, t, tensor_bytes(t), offsets, sizes)
             return
