@@ -85,40 +85,42 @@ def user_keys(state: object) -> dict[str, str]:
 def select(
     ck: OpenCheckpoint, keys: Sequence[str] | None, *, reserved: Sequence[str] = ()
 ) -> list[Tensor]:
-    """The step's tensors whose keys (the user's, or the stored ones `ckptctl inspect`
-    shows) match any pattern ('x' also selects 'x/*'), sorted by exported name.
+    """The step's tensors whose keys match any pattern ('x' also selects 'x/*'), sorted by
+    exported name. A pattern is matched against the user's keys; one that matches none of
+    them is matched against the stored keys (what `ckptctl inspect` shows: 'a%2Fb').
 
     Refuses, naming both, two selected tensors that one name would hold, and a tensor
     whose name the format reserves (`reserved`)."""
     names = user_keys(ck.manifest.state)
+    every = [(names.get(stored, stored), stored) for stored in sorted(ck.chunks)]
+    chosen: set[str] = set()
+    unmatched = []
+    for p in keys or ():
+        hits = {s for k, s in every if _matches(k, p)} or {s for _, s in every if _matches(s, p)}
+        if not hits:
+            unmatched.append(p)
+        chosen |= hits
+    if unmatched:
+        raise StateMismatch(
+            f"{ck.storage.url} step {ck.step}: --keys {', '.join(map(repr, unmatched))} "
+            "matches no tensor (see `ckptctl inspect` for the keys)"
+        )
     out = []
-    matched: set[str] = set()
-    for stored in sorted(ck.chunks):
-        key = names.get(stored, stored)
-        if keys is not None:
-            hits = {
-                p
-                for p in keys
-                for k in {key, stored}
-                if fnmatch.fnmatchcase(k, p) or fnmatch.fnmatchcase(k, p + "/*")
-            }
-            if not hits:
-                continue
-            matched |= hits
+    for key, stored in every:
+        if keys is not None and stored not in chosen:
+            continue
         e = saved_entry(ck, stored)
         out.append(
             Tensor(
                 key, stored, e.dtype, list(e.shape), math.prod(e.shape) * dtypes.itemsize(e.dtype)
             )
         )
-    unmatched = [p for p in keys or () if p not in matched]
-    if unmatched:
-        raise StateMismatch(
-            f"{ck.storage.url} step {ck.step}: --keys {', '.join(map(repr, unmatched))} "
-            "matches no tensor (see `ckptctl inspect` for the keys)"
-        )
     _refuse_collisions(ck, out, reserved)
     return sorted(out, key=lambda t: t.key)
+
+
+def _matches(key: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(key, pattern + "/*")
 
 
 def _refuse_collisions(ck: OpenCheckpoint, tensors: list[Tensor], reserved: Sequence[str]) -> None:
