@@ -171,6 +171,14 @@ def cmd_list_coordinator(args: argparse.Namespace) -> int:
         infos = client.list_checkpoints(job)
     finally:
         client.close()
+    if not infos and not JobLocation.of(job).is_url and not os.path.isdir(job):
+        # The coordinator may serve a disk this host does not see; with no saves there
+        # either, PATH names nothing: a typo, as for the commands that read storage.
+        return _fail(
+            args,
+            f"{job} does not exist here and coordinator {args.coordinator} knows no saves "
+            "of it; pass the job's checkpoint directory",
+        )
     rows: list[dict[str, Any]] = [
         {
             "step": i.step,
