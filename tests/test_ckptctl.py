@@ -242,3 +242,191 @@ def test_diff_as_a_real_subprocess(two_steps: str) -> None:
     assert rc == 1 and err == ""  # they differ: --exit-code says so, and it is not an error
     doc = json.loads(out)
     assert doc["ok"] is True and doc["changed"] == ["model/b", "lr"]
+
+
+def test_a_missing_path_or_a_file_is_a_problem_for_every_command(
+    ckptctl, tmp_path: Path, tally
+) -> None:
+    afile = tmp_path / "notes.txt"
+    afile.write_text("not a job")
+    for bad, what in ((tmp_path / "nope", "does not exist"), (afile, "is a file")):
+        for cmd in ("list", "inspect", "verify", "gc", "restore", "diff"):
+            extra = {
+                "diff": ("1", "2"),
+                "restore": ("--to", tmp_path / "o.pt", "--format", "torch"),
+            }
+            with tally.bad_input(f"ckptctl {cmd}: path that {what}"):
+                rc, out, err = ckptctl(cmd, bad, *extra.get(cmd, ()), "--json")
+                assert rc == 1 and err.startswith("error: ") and what in err, (cmd, err)
+                doc = json.loads(out)
+                assert doc["ok"] is False and doc["exit_code"] == 1 and what in doc["error"]
+                assert doc["path"] == str(bad)
+    assert not (tmp_path / "nope").exists()  # gc did not create it
+
+
+def test_verify_of_an_absent_step_is_not_corrupt(ckptctl, two_steps: str) -> None:
+    rc, out, err = ckptctl("verify", two_steps, "--step", "999", "--json")
+    assert rc == 1
+    doc = json.loads(out)
+    assert doc["ok"] is False and doc["steps"] == [] and doc["exit_code"] == 1
+    assert "no step 999" in doc["error"] and "1, 2" in doc["error"], doc
+    rc, out, err = ckptctl("verify", two_steps, "--step", "999")
+    assert rc == 1 and "CORRUPT" not in out + err and "no step 999" in err
+    os.makedirs(os.path.join(two_steps, "step-000000000005"))  # a save that never committed
+    rc, out, err = ckptctl("verify", two_steps, "--step", "5", "--json")
+    assert rc == 1 and "never committed" in json.loads(out)["error"]
+    assert "CORRUPT" not in out + err
+
+
+def test_a_failed_verify_document_has_error_and_exit_code(ckptctl, two_steps: str) -> None:
+    shard = next((Path(two_steps) / "step-000000000002" / "shards").glob("rank-*.bin"))
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    rc, out, err = ckptctl("verify", two_steps, "--all", "--json")
+    assert rc == 1
+    doc = json.loads(out)
+    assert doc["ok"] is False and doc["exit_code"] == 1
+    assert "step(s) 2 failed verification" in doc["error"] and shard.name in doc["error"]
+    assert err.strip() == f"error: {doc['error']}"
+    rc, out, err = ckptctl("verify", two_steps, "--all")
+    assert rc == 1 and "step 2: CORRUPT" in out and "step 1: OK" in out
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_list_coordinator_names_the_job_absolutely(
+    ckptctl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from coordinator_fixtures import TOKEN, ServerThread, finished
+
+    from ckptd.server import ServerOptions
+
+    root = tmp_path / "root"
+    server = ServerThread(root, options=ServerOptions(token=TOKEN))
+    try:
+        job = root / "job"
+        with ckpt.Checkpointer(str(job), coordinator=server.address, token=TOKEN) as cp:
+            finished(cp.save({"w": gen(1, 4)}, 3))
+        monkeypatch.chdir(tmp_path)
+        argv = ("list", "root/job", "--coordinator", server.address, "--token", TOKEN, "--json")
+        rc, out, err = ckptctl(*argv)
+        assert rc == 0, err
+        doc = json.loads(out)
+        assert doc["path"] == str(job) and [s["step"] for s in doc["steps"]] == [3], doc
+        rc, out, err = ckptctl("verify", "root/job", "--coordinator", server.address,
+                               "--token", TOKEN, "--json")  # fmt: skip
+        assert rc == 0 and json.loads(out)["path"] == str(job), err
+    finally:
+        server.stop(0.2)
+
+
+@pytest.fixture
+def read_only_job(two_steps: str, tmp_path: Path):  # noqa: ANN201 - yields the mount's path
+    """The job, seen through a read-only bind mount (root), or read-only modes (others)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        for d, _, _ in os.walk(two_steps):
+            os.chmod(d, 0o555)
+        try:
+            yield two_steps
+        finally:
+            for d, _, _ in os.walk(two_steps):
+                os.chmod(d, 0o755)
+        return
+    mount = ["mount", "--bind", two_steps, str(ro)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here")
+    try:
+        if subprocess.run(
+            ["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True
+        ).returncode:
+            pytest.skip("cannot remount read-only here")
+        yield str(ro)
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
+
+
+def test_gc_on_read_only_storage_is_one_error_line_and_a_json_document(
+    ckptctl, read_only_job: str, tally
+) -> None:
+    with tally.bad_input("ckptctl gc: read-only storage"):
+        rc, out, err = ckptctl("gc", read_only_job, "--keep-last", "1", "--json")
+        assert rc == 1, err
+        doc = json.loads(out)
+        assert doc["ok"] is False and doc["exit_code"] == 1 and doc["command"] == "gc"
+        assert "step-000000000001" in doc["error"], doc
+        assert "Read-only" in doc["error"] or "Permission" in doc["error"], doc
+        assert "Traceback" not in err and err.strip() == f"error: {doc['error']}"
+    rc, out, err = ckptctl("gc", read_only_job, "--keep-last", "1")
+    assert rc == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    # Reading still works there.
+    assert ckptctl("verify", read_only_job, "--all")[0] == 0
+    assert ckptctl("list", read_only_job)[0] == 0
+
+
+def test_gc_tolerates_what_vanishes_under_it(
+    ckptctl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tally
+) -> None:
+    """Another process removes each thing gc removes, first (the whole of it, or a part):
+    gc's unlink then meets FileNotFoundError, as when a save's retention retires the same
+    step or a save takes a recycled file while gc runs."""
+    import shutil
+
+    from ckptd.cli import ckptctl as cli
+    from ckptd.storage import LocalStorage
+
+    job = str(tmp_path / "job")
+    for step in (1, 2, 3, 4):
+        ckpt.save({"w": gen(step, 256)}, job, step=step, keep_last=3)  # 1 -> the pool
+    os.makedirs(os.path.join(job, "step-000000000000"))  # debris of an unfinished save
+    raced: list[str] = []
+
+    class Racing(LocalStorage):
+        def remove_tree(self, path: str) -> None:
+            full = os.path.join(self.root, path)
+            if path in raced or not os.path.lexists(full):
+                return super().remove_tree(path)
+            raced.append(path)
+            if os.path.isdir(full) and os.listdir(full) and len(raced) % 2:
+                victim = os.path.join(full, sorted(os.listdir(full))[0])  # part of it
+            else:
+                victim = full  # all of it
+            shutil.rmtree(victim) if os.path.isdir(victim) else os.unlink(victim)
+            raise FileNotFoundError(2, "No such file or directory", victim)
+
+    monkeypatch.setattr(cli, "open_storage", lambda p, **kw: Racing(str(p)))
+    with tally.fault("ckptctl gc: files vanish under it (a racing save)"):
+        rc, out, err = ckptctl("gc", job, "--keep-last", "1", "--json")
+        assert rc == 0, err
+        doc = json.loads(out)
+        assert doc["ok"] and doc["removed"] == [0, 2, 3] and doc["recycled_files"] >= 1
+    assert raced  # the race was run
+    assert sorted(n for n in os.listdir(job) if n.startswith("step-")) == ["step-000000000004"]
+    assert not os.listdir(os.path.join(job, ".ckptd", "recycle"))
+    assert ckpt.load({}, job).step == 4
+
+
+def test_gc_beside_a_saving_process(ckptctl, tmp_path: Path) -> None:
+    """The real race: a process saves with keep_last (retiring steps, reusing recycled
+    files) while gc runs again and again: every gc run ends in a JSON document."""
+    job = str(tmp_path / "job")
+    ckpt.save({"w": gen(0, 1 << 14)}, job, step=0)
+    code = (
+        "import ckpt, torch, sys\n"
+        "for s in range(1, 41):\n"
+        "    ckpt.save({'w': torch.full((1 << 14,), float(s))}, sys.argv[1], step=s, keep_last=2)\n"
+    )
+    saver = subprocess.Popen([sys.executable, "-c", code, job], env=child_env(), cwd=REPO)
+    try:
+        runs = 0
+        while saver.poll() is None or runs < 3:
+            rc, out, err = ckptctl("gc", job, "--keep-last", "1", "--json")
+            assert rc == 0 and "Traceback" not in err, err
+            assert json.loads(out)["ok"] is True
+            runs += 1
+        assert saver.wait(120) == 0
+    finally:
+        saver.kill()
+        saver.wait()
+    assert ckpt.load({}, job).step == 40

@@ -270,3 +270,86 @@ def test_real_process(saved, tmp_path, run_ckptctl):
     doc = json.loads(o)
     assert doc["ok"] and doc["tensors"] == len(state) and doc["format"] == "zarr"
     assert doc["bytes_verified"] >= doc["bytes"]
+
+
+ODD = {"": 1.0, ".": 2.0, "..": 3.0, "w": 4.0}  # key -> the value its tensor holds
+
+
+def odd_keys_job(tmp_path: Path) -> str:
+    """A job saved with ckpt.save whose keys the flatten escapes: "" and "." both want '.'."""
+    import ckpt
+
+    job = str(tmp_path / "odd")
+    ckpt.save({k: torch.full((3,), v) for k, v in ODD.items()}, job, step=1)
+    return job
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_export_keeps_the_users_keys(tmp_path, ckptctl, fmt):
+    import ckpt
+
+    job = odd_keys_job(tmp_path)
+    out = tmp_path / f"odd.{fmt}"
+    rc, o, e = ckptctl("restore", job, "--to", out, "--format", fmt, "--json")
+    assert rc == 0, e
+    assert sorted(json.loads(o)["keys"]) == sorted(ODD)
+    got = (
+        safetensors_torch.load_file(str(out))
+        if fmt == "safetensors"
+        else torch.load(out, weights_only=True)
+    )
+    assert set(got) == set(ODD)  # "" is "", "." is ".": nothing moved to '.#1'
+    for k, v in ODD.items():
+        assert torch.equal(got[k], torch.full((3,), v)), (k, got[k])
+    # The checkpoint itself still round-trips them.
+    back = ckpt.load({}, job).state
+    assert {k: float(t[0]) for k, t in back.items()} == ODD
+    # --keys matches the user's key ("." alone, not ".." nor "" stored as '.').
+    sel = tmp_path / f"sel.{fmt}"
+    assert ckptctl("restore", job, "--to", sel, "--format", fmt, "--keys", ".")[0] == 0
+    got = (
+        safetensors_torch.load_file(str(sel))
+        if fmt == "safetensors"
+        else torch.load(sel, weights_only=True)
+    )
+    assert list(got) == ["."] and float(got["."][0]) == 2.0
+
+
+def test_zarr_export_of_odd_keys_keeps_them_in_the_attributes(tmp_path, ckptctl):
+    job = odd_keys_job(tmp_path)
+    out = tmp_path / "odd.zarr"
+    rc, _, e = ckptctl("restore", job, "--to", out, "--format", "zarr")
+    assert rc == 0, e
+    root = zarr.open_group(str(out), mode="r")
+    arrays = {n: a for n, a in root.members(max_depth=None) if isinstance(a, zarr.Array)}
+    assert {a.attrs["ckptd"]["key"]: float(a[0]) for a in arrays.values()} == ODD
+
+
+def test_export_refuses_keys_one_name_would_hold(tmp_path, ckptctl, tally):
+    import ckpt
+
+    job = str(tmp_path / "clash")
+    ckpt.save(
+        {"a/b": torch.ones(2), "a": {"b": torch.zeros(2)}, "__metadata__": torch.ones(1)},
+        job,
+        step=1,
+    )
+    for fmt in ("safetensors", "torch"):
+        out = tmp_path / f"clash.{fmt}"
+        with tally.bad_input(f"export:{fmt}:two tensors one key"):
+            rc, o, e = ckptctl(
+                "restore", job, "--to", out, "--format", fmt, "--keys", "a", "--json"
+            )
+            assert rc == 1 and not out.exists()
+            err = json.loads(o)["error"]
+            assert "'a/b'" in err and "'a%2Fb'" in err and "--keys" in err, err
+        # Each one alone, by its stored key, exports under the user's key.
+        rc, _, e = ckptctl("restore", job, "--to", out, "--format", fmt, "--keys", "a%2Fb")
+        assert rc == 0, e
+    with tally.bad_input("export:safetensors:reserved key"):
+        out = tmp_path / "meta.safetensors"
+        rc, _, e = ckptctl("restore", job, "--to", out, "--format", "safetensors", "--keys", "_*")
+        assert rc == 1 and "'__metadata__'" in e and "reserves" in e and not out.exists()
+    out = tmp_path / "meta.pt"
+    assert ckptctl("restore", job, "--to", out, "--format", "torch", "--keys", "_*")[0] == 0
+    assert list(torch.load(out, weights_only=True)) == ["__metadata__"]

@@ -1,28 +1,33 @@
 """ckptctl: list, inspect, verify, diff, restore and garbage-collect checkpoints, from storage alone.
 
-Exit codes: 0 all good, 1 a problem was found (corrupt, missing, no checkpoint; `diff
+Exit codes: 0 all good, 1 a problem was found (corrupt, missing, no checkpoint, no such
+step, a path that is not a job directory, storage that refused an operation; `diff
 --exit-code`: the steps differ), 2 usage error. `--json` prints exactly one JSON document on
-stdout, also on failure ({"command", "path", "ok": false, "error"}); every document has
-"command", "path" and "ok" (docs/cli.md has each command's schema). Human text goes to
-stdout, errors to stderr; progress bars go to stderr, only when it is a terminal and never
-with --json.
+stdout, also on failure ({"command", "path", "ok": false, "error", "exit_code"}); every
+document has "command", "path" (absolute, or the URL) and "ok" (docs/cli.md has each
+command's schema). Human text goes to stdout, errors to stderr as one `error:` line;
+progress bars go to stderr, only when it is a terminal and never with --json. Every
+CkptError and OSError a command meets ends in that error line (and document), never a
+traceback: `main` is the one place that turns them into exit codes.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from ckptd.errors import CheckpointNotFound, CkptError
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout, recycle, values
 from ckptd.server.client import CoordinatorClient
-from ckptd.storage import Storage, open_storage
+from ckptd.storage import JobLocation, Storage, open_storage
 
 OK, PROBLEM, USAGE = 0, 1, 2
 
@@ -65,9 +70,23 @@ def _print_table(rows: list[list[str]], header: list[str]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
+def _job_path(args: argparse.Namespace) -> str:
+    """The job as storage names it: a local PATH made absolute (relative to the current
+    directory), a URL as written. What every JSON document says, and what ckptctl asks a
+    coordinator about."""
+    try:
+        return JobLocation.of(args.path).path
+    except (CkptError, ValueError):  # reported by whatever opens it; the document still goes out
+        return str(args.path)
+
+
 def _emit_json(args: argparse.Namespace, doc: dict[str, Any]) -> None:
     """The one JSON document of a --json run; every one has command, path and ok."""
-    head = {"command": args.command, "path": doc.pop("path", args.path), "ok": doc.pop("ok", True)}
+    head = {
+        "command": args.command,
+        "path": doc.pop("path", None) or _job_path(args),
+        "ok": doc.pop("ok", True),
+    }
     json.dump({**head, **doc}, sys.stdout, indent=2)
     sys.stdout.write("\n")
 
@@ -167,11 +186,20 @@ def cmd_list(storage: Storage, args: argparse.Namespace) -> int:
 
 def cmd_list_coordinator(args: argparse.Namespace) -> int:
     """Steps as the coordinator's catalog sees them, aborted and open saves included."""
+    job = _job_path(args)
     client = coordinator_client(args)
     try:
-        infos = client.list_checkpoints(args.path)
+        infos = client.list_checkpoints(job)
     finally:
         client.close()
+    if not infos and not JobLocation.of(job).is_url and not os.path.isdir(job):
+        # The coordinator may serve a disk this host does not see; with no saves there
+        # either, PATH names nothing: a typo, as for the commands that read storage.
+        return _fail(
+            args,
+            f"{job} does not exist here and coordinator {args.coordinator} knows no saves "
+            "of it; pass the job's checkpoint directory",
+        )
     rows: list[dict[str, Any]] = [
         {
             "step": i.step,
@@ -186,10 +214,10 @@ def cmd_list_coordinator(args: argparse.Namespace) -> int:
         for i in infos
     ]
     if args.json:
-        _emit_json(args, {"path": args.path, "coordinator": args.coordinator, "steps": rows})
+        _emit_json(args, {"path": job, "coordinator": args.coordinator, "steps": rows})
         return OK
     if not rows:
-        print(f"{args.path}: no saves known to {args.coordinator}")
+        print(f"{job}: no saves known to {args.coordinator}")
         return OK
     _print_table(
         [
@@ -280,6 +308,9 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
             steps = [ckfmt.resolve_step(storage, args.step)]
         except CkptError as e:
             return _no_checkpoint(storage, args, str(e))
+        absent = _absent_step(storage, steps[0]) if args.step is not None else None
+        if absent:  # nothing to verify: not a corrupt checkpoint, a step that is not there
+            return _no_checkpoint(storage, args, absent)
     catalog = _CatalogDigests(args) if args.coordinator else None
     reports, seconds = [], []
     try:
@@ -307,12 +338,22 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         if catalog:
             catalog.close()
     ok = all(r.ok for r in reports)
+    bad = [r for r in reports if not r.ok]
+    error = (
+        f"{storage.url}: step(s) {', '.join(str(r.step) for r in bad)} failed verification "
+        f"({sum(len(r.problems) for r in bad)} problem(s); the first: {bad[0].problems[0]}). "
+        "Checkpoints with problems must not be loaded: load an earlier step "
+        "(ckpt.load(..., step=N)) or restore from a replica"
+        if bad
+        else None
+    )
     if args.json:
         _emit_json(
             args,
             {
                 "path": storage.url,
                 "ok": ok,
+                **({"error": error, "exit_code": PROBLEM} if error else {}),
                 "steps": [
                     {
                         "step": r.step,
@@ -337,20 +378,31 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
                 print(f"step {r.step}: CORRUPT ({len(r.problems)} problem(s))")
                 for p in r.problems:
                     print(f"  - {p}")
-        if not ok:
-            print(
-                "checkpoints with problems must not be loaded; load an earlier step "
-                "(ckpt.load(..., step=N)) or restore from a replica",
-                file=sys.stderr,
-            )
+    if error:
+        print(f"error: {error}", file=sys.stderr)
     return OK if ok else PROBLEM
+
+
+def _absent_step(storage: Storage, step: int) -> str | None:
+    """Why an explicitly asked step has nothing to check (None when it has a manifest)."""
+    sdir = layout.step_dir(step)
+    if storage.exists(f"{sdir}/{layout.MANIFEST_NAME}"):
+        return None
+    if storage.exists(sdir):
+        return (
+            f"{storage.url}/{sdir} has no {layout.MANIFEST_NAME}: step {step} never committed "
+            "(an unfinished save; `ckptctl gc` removes it)"
+        )
+    have = [s.step for s in ckfmt.list_steps(storage) if s.status != ckfmt.INCOMPLETE]
+    listed = ", ".join(map(str, have[-10:])) if have else "none"
+    return f"{storage.url} has no step {step} (steps with a manifest: {listed}); see `ckptctl list`"
 
 
 class _CatalogDigests:
     """verify --coordinator: each step's manifest digest as the catalog recorded it."""
 
     def __init__(self, args: argparse.Namespace):
-        self.address, self.path = args.coordinator, args.path
+        self.address, self.path = args.coordinator, _job_path(args)
         self.client = coordinator_client(args)
 
     def digest(self, step: int) -> tuple[str | None, str | None]:
@@ -529,20 +581,22 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
     )
     try:
         for step, why in doomed:
+            sdir = layout.step_dir(step)
             if not args.dry_run:
-                ckfmt.remove_step(storage, step)
+                _remove_racing(storage, sdir, partial(ckfmt.remove_step, storage, step))
             _tick(bar)
             if not args.json:
-                print(f"{verb} {layout.step_dir(step)} ({why})")
+                print(f"{verb} {sdir} ({why})")
         for path in strays:
             if not args.dry_run:
-                storage.remove_tree(path)
+                _remove_racing(storage, path, partial(storage.remove_tree, path))
             _tick(bar)
             if not args.json:
                 print(f"{verb} {path} (not part of the committed step)")
         for name in pool:
             if not args.dry_run:
-                storage.remove_tree(f"{recycle.POOL}/{name}")
+                entry = f"{recycle.POOL}/{name}"
+                _remove_racing(storage, entry, partial(storage.remove_tree, entry))
             _tick(bar)
     finally:
         if bar is not None:
@@ -564,6 +618,24 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
     elif not doomed and not pool and not strays:
         print("nothing to remove")
     return OK
+
+
+def _remove_racing(storage: Storage, path: str, remove: Callable[[], None]) -> None:
+    """Run `remove` (of `path`) while another process may be removing or renaming under it.
+
+    A save's retention retiring the same step, or a save taking a recycled file from the
+    pool, makes a file vanish between gc's look and its unlink: FileNotFoundError mid-way.
+    What is gone is what gc wanted; what is left (the other side is not done yet) is
+    removed again. Anything else, or a tree that keeps coming back, is an error.
+    """
+    for _ in range(5):
+        try:
+            remove()
+            return
+        except FileNotFoundError:
+            if not storage.exists(path):
+                return
+    remove()
 
 
 def _tick(bar: _Bar | None) -> None:
@@ -808,8 +880,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "list" and args.coordinator:
             return cmd_list_coordinator(args)
         storage = open_storage(args.path)
-        if args.command != "gc" and not storage.exists(""):
-            return _fail(args, f"{args.path} does not exist; pass the job's checkpoint directory")
+        not_a_job = _not_a_job(storage, args)
+        if not_a_job:
+            return _fail(args, not_a_job)
         return COMMANDS[args.command](storage, args)
     except UsageError as e:
         return _fail(args, str(e), USAGE)
@@ -826,6 +899,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError):  # stdout is not a file (in-process runs)
             pass
         return PROBLEM
+    except OSError as e:  # storage refused (read-only, permissions, a full disk, EIO)
+        return _fail(args, _os_error(e, args))
+
+
+def _not_a_job(storage: Storage, args: argparse.Namespace) -> str | None:
+    """Why PATH cannot be a job's checkpoint directory (None when it can be one)."""
+    local = storage.local_path("")
+    if local is not None and os.path.lexists(local) and not os.path.isdir(local):
+        return (
+            f"{_job_path(args)} is a file, not a job's checkpoint directory (the directory "
+            "that holds its step-* directories)"
+        )
+    if not storage.exists(""):
+        return f"{_job_path(args)} does not exist; pass the job's checkpoint directory"
+    return None
+
+
+def _os_error(e: OSError, args: argparse.Namespace) -> str:
+    """An OSError as one line: the file, what the system said (with the errno's name) and
+    what to do about it."""
+    name = errno.errorcode.get(e.errno or 0, "")
+    where = e.filename or _job_path(args)
+    msg = f"{where}: {e.strerror or e}" + (f" ({name})" if name else "")
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        msg += (
+            f"; ckptctl {args.command} needs to write there: run it where the storage is "
+            "writable, as a user allowed to write it"
+        )
+    elif e.errno == errno.ENOSPC:
+        msg += "; the filesystem is full: free space (ckptctl gc --keep-last N)"
+    return msg
 
 
 def _fail(args: argparse.Namespace, msg: str, code: int = PROBLEM) -> int:

@@ -198,7 +198,8 @@ def export_checkpoint(
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     ck = ckfmt.open_checkpoint(storage, step)
-    tensors = select(ck, keys)
+    # safetensors keeps its header's own entry under "__metadata__": no tensor may be named so.
+    tensors = select(ck, keys, reserved=("__metadata__",) if fmt == "safetensors" else ())
     if size_hint is not None:
         size_hint(sum(t.nbytes for t in tensors))
     reader = Reader(ck, progress=progress, threads=threads)

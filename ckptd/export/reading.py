@@ -1,58 +1,149 @@
 """Reading one committed step's tensors whole, verified: what every export format writes.
 
 The formats (`ckptd.export` for safetensors and torch, `ckptd.export.zarr`) share these:
-which tensors an export holds (`select`), a reader that fills a caller's buffer with one
-tensor's bytes, every block checked against its blake3 (`Reader`), and the step's header
-(`header_metadata`). Its own module so both format modules import it, and neither the other.
+which tensors an export holds and under which names (`select`), a reader that fills a
+caller's buffer with one tensor's bytes, every block checked against its blake3 (`Reader`),
+and the step's header (`header_metadata`). Its own module so both format modules import
+it, and neither the other.
+
+Names: an export names each tensor by the user's key, not the stored entry key. The
+stored key is the flatten's (clients/python/ckpt/_flatten.py): components escaped ('/' as
+%2F), the root path as '.', and '#n' added where two paths would be one key, so {"": a,
+".": b} is stored as '.' and '.#1'. The state tree in the manifest holds the user's own
+dict keys, so `user_keys` walks it and joins each tensor's path with '/' ("" and "." stay
+"" and "."). Where two tensors would get one name ({"a/b": x} beside {"a": {"b": y}}), or a
+name the format reserves, the export is refused, naming both: never a silent rename.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import glob
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ckptd.errors import StateMismatch
-from ckptd.format import dtypes
+from ckptd.errors import CkptError, StateMismatch
+from ckptd.format import dtypes, values
 from ckptd.format.boxes import BoxRead, read_boxes, saved_entry
 from ckptd.format.checkpoint import OpenCheckpoint
 
 
+class KeyCollision(CkptError, ValueError):
+    """Two tensors would be exported under one name (or under a name the format reserves)."""
+
+
 @dataclasses.dataclass
 class Tensor:
-    key: str
+    key: str  # the name it is exported under: the user's key (module docstring)
+    stored: str  # its entry key in the checkpoint: what the reader reads
     dtype: str
     shape: list[int]
     nbytes: int
 
 
-def select(ck: OpenCheckpoint, keys: Sequence[str] | None) -> list[Tensor]:
-    """The step's tensors whose keys match any pattern ('x' also selects 'x/*'), sorted."""
-    out = []
-    matched: set[str] = set()
-    for key in sorted(ck.chunks):
-        if keys is not None:
-            hits = {
-                p for p in keys if fnmatch.fnmatchcase(key, p) or fnmatch.fnmatchcase(key, p + "/*")
-            }
-            if not hits:
-                continue
-            matched |= hits
-        e = saved_entry(ck, key)
-        out.append(
-            Tensor(key, e.dtype, list(e.shape), math.prod(e.shape) * dtypes.itemsize(e.dtype))
-        )
-    unmatched = [p for p in keys or () if p not in matched]
+def _component(k: object) -> str:
+    """A dict key as a path component, as the flatten names it before escaping."""
+    if isinstance(k, str):
+        return k
+    return str(k) if isinstance(k, int) and not isinstance(k, bool) else repr(k)
+
+
+def user_keys(state: object) -> dict[str, str]:
+    """{stored entry key: the user's key} for every tensor the state tree refers to.
+
+    The user's key is the tensor's path in the user's state, its dict keys as the user
+    wrote them, joined by '/'. A tensor reached by two paths (tied weights) is stored once,
+    under its first path in the walk (as the flatten named it): that path names it here.
+    """
+    out: dict[str, str] = {}
+    stack: list[tuple[object, tuple[str, ...]]] = [(state, ())]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        ((tag, body),) = node.items()
+        if tag in values.TENSOR_TAGS:
+            out.setdefault(body, "/".join(path))
+            continue
+        children: list[tuple[object, tuple[str, ...]]] = []
+        if tag in ("list", "tuple"):
+            children = [(c, (*path, str(i))) for i, c in enumerate(body)]
+        elif tag == "dict":
+            children = [(v, (*path, _component(values.decode_scalar(k)))) for k, v in body]
+        elif tag == "stateful":
+            children = [(body, path)]
+        elif tag == "per_rank":
+            children = [(v, (*path, f"@rank{r}")) for r, v in body]
+        stack.extend(reversed(children))  # first child first: the flatten's order
+    return out
+
+
+def select(
+    ck: OpenCheckpoint, keys: Sequence[str] | None, *, reserved: Sequence[str] = ()
+) -> list[Tensor]:
+    """The step's tensors whose keys match any pattern ('x' also selects 'x/*'), sorted by
+    exported name. A pattern is matched against the user's keys; one that matches none of
+    them is matched against the stored keys (what `ckptctl inspect` shows: 'a%2Fb').
+
+    Refuses, naming both, two selected tensors that one name would hold, and a tensor
+    whose name the format reserves (`reserved`)."""
+    names = user_keys(ck.manifest.state)
+    every = [(names.get(stored, stored), stored) for stored in sorted(ck.chunks)]
+    chosen: set[str] = set()
+    unmatched = []
+    for p in keys or ():
+        hits = {s for k, s in every if _matches(k, p)} or {s for _, s in every if _matches(s, p)}
+        if not hits:
+            unmatched.append(p)
+        chosen |= hits
     if unmatched:
         raise StateMismatch(
             f"{ck.storage.url} step {ck.step}: --keys {', '.join(map(repr, unmatched))} "
             "matches no tensor (see `ckptctl inspect` for the keys)"
         )
-    return out
+    out = []
+    for key, stored in every:
+        if keys is not None and stored not in chosen:
+            continue
+        e = saved_entry(ck, stored)
+        out.append(
+            Tensor(
+                key, stored, e.dtype, list(e.shape), math.prod(e.shape) * dtypes.itemsize(e.dtype)
+            )
+        )
+    _refuse_collisions(ck, out, reserved)
+    return sorted(out, key=lambda t: t.key)
+
+
+def _matches(key: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(key, pattern + "/*")
+
+
+def _refuse_collisions(ck: OpenCheckpoint, tensors: list[Tensor], reserved: Sequence[str]) -> None:
+    where = f"{ck.storage.url} step {ck.step}"
+    first: dict[str, Tensor] = {}
+    for t in tensors:
+        if t.key in reserved:
+            raise KeyCollision(
+                f"{where}: the key {t.key!r}{_stored(t)} is a name this format reserves for "
+                "itself; export it with another --format, or leave it out with --keys"
+            )
+        other = first.setdefault(t.key, t)
+        if other is not t:
+            raise KeyCollision(
+                f"{where}: two tensors would both be exported as {t.key!r} (stored as "
+                f"{other.stored!r} and {t.stored!r}: a dict key holding '/' names the same "
+                "path as nested dicts); rename one in the state, or export them one at a time "
+                f"by their stored keys (--keys {glob.escape(other.stored)!r})"
+            )
+
+
+def _stored(t: Tensor) -> str:
+    return f" (stored as {t.stored!r})" if t.stored != t.key else ""
 
 
 class Reader:
@@ -73,7 +164,7 @@ class Reader:
         """Fill `out` (uint8, t.nbytes) with the tensor's bytes, C order, verified."""
         self.bytes_read += read_boxes(
             self.ck,
-            [BoxRead(t.key, [0] * len(t.shape), t.shape, out)],
+            [BoxRead(t.stored, [0] * len(t.shape), t.shape, out)],
             threads=self.threads,
             progress=self.progress,
         )
