@@ -68,7 +68,6 @@ class EmbeddedCoordinator:
             catalog,
             lease_s=lease_s,
             barrier_timeout_s=barrier_timeout_s,
-            any_job_name=True,  # the job this process's user named, whatever its name
         )
         await self.core.start()
         self._server, port = await create_server(
