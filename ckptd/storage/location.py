@@ -13,9 +13,10 @@ It also knows a job's place under a root (`job_name`, `job_dir`, both confined) 
 the embedded coordinator keeps the job's SQLite catalog: beside the job on a local disk,
 else (a network filesystem, where SQLite's locking is unsafe, or an object store, where
 it cannot live) under `$CKPTD_CATALOG_DIR/<hash>/` or `~/.cache/ckptd/catalogs/<hash>/`,
-the hash being of the normalised path. `$CKPTD_CATALOG_DIR`, when set, wins, except for a
-store that lives in this process alone (memory://): its catalog lives and dies with the
-process, in a temporary directory.
+the hash being of the normalised path; a job on a read-only mount has its catalog there
+too (a job resumes and loads from read-only storage; its saves fail with EROFS).
+`$CKPTD_CATALOG_DIR`, when set, wins, except for a store that lives in this process alone
+(memory://): its catalog lives and dies with the process, in a temporary directory.
 """
 
 from __future__ import annotations
@@ -98,6 +99,18 @@ def filesystem_type(path: str) -> str:
     except OSError:
         return ""
     return fstype
+
+
+def is_read_only(path: str) -> bool:
+    """True when `path` (or, if it does not exist, its nearest existing parent) is on a
+    filesystem mounted read-only."""
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "/"
+    try:
+        return bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def local_dir(path: str) -> str:
@@ -216,6 +229,11 @@ class JobLocation:
                 )
         return path
 
+    @property
+    def read_only(self) -> bool:
+        """True for a local job on a read-only mount (its catalog cannot live beside it)."""
+        return not self.is_url and is_read_only(self.path)
+
     # -- catalogs --------------------------------------------------------------------------
     @property
     def catalog_beside(self) -> str:
@@ -235,6 +253,6 @@ class JobLocation:
             probe = self.path
             while not os.path.exists(probe):
                 probe = os.path.dirname(probe) or "/"
-            if filesystem_type(probe) not in NETWORK_FS:
+            if filesystem_type(probe) not in NETWORK_FS and not self.read_only:
                 return self.catalog_beside
         return os.path.join(os.path.expanduser(_CATALOG_CACHE), digest, CATALOG_NAME)
