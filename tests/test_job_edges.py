@@ -190,11 +190,11 @@ def test_a_path_that_is_a_file_or_an_unknown_url(tmp_path: Path, tally) -> None:
     ):
         with tally.bad_input("job-path-not-a-directory"):
             for open_it in (
-                lambda: ckpt.Checkpointer(path),
-                lambda: ckpt.save(_w(1.0), path, step=1),
+                lambda p: ckpt.Checkpointer(p),
+                lambda p: ckpt.save(_w(1.0), p, step=1),
             ):
                 with pytest.raises(ckpt.StorageError) as ei:
-                    open_it()
+                    open_it(path)
                 msg = str(ei.value)
                 assert path.split("/job")[0] in msg and expect in msg, msg
     assert a_file.read_text() == "not a job"

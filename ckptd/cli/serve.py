@@ -49,9 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     s = sub.add_parser("serve", help="run the coordinator")
     s.add_argument("--root", required=True, help="checkpoint root; every job lives under it")
-    s.add_argument(
-        "--create-root", action="store_true", help="create --root if it does not exist"
-    )
+    s.add_argument("--create-root", action="store_true", help="create --root if it does not exist")
     s.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT (port 0 picks one)")
     s.add_argument("--catalog", help="catalog file (default <root>/.ckptd/catalog.sqlite)")
     s.add_argument(
