@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from coordinator_fixtures import Serve, child_env, wait_for
+from coordinator_fixtures import Serve, child_env, free_port, wait_for
 
 import ckpt
 from ckptd.cli import serve as serve_cli
@@ -99,6 +99,58 @@ def test_a_job_open_in_another_process_is_refused_until_it_dies(tmp_path: Path, 
             "step-000000000003",
             "step-000000000004",
         ]
+
+
+RANK = textwrap.dedent(
+    """
+    import sys, time, torch.distributed as dist, ckpt
+    dist.init_process_group("gloo")
+    t0 = time.monotonic()
+    try:
+        ckpt.Checkpointer(sys.argv[1])
+    except ckpt.CkptError as e:
+        print(f"{type(e).__name__} after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+        sys.exit(3)
+    sys.exit(0)
+    """
+)
+
+
+def test_every_rank_of_a_second_job_hears_why_at_once(tmp_path: Path, tally) -> None:
+    """Rank 0 cannot host the coordinator (the job is open elsewhere): the other ranks,
+    waiting for its address in the store, get the reason too, within seconds."""
+    job = str(tmp_path / "job")
+    holder = _holder(job)
+    port = free_port()
+    try:
+        with tally.bad_input("job-open-twice"):
+            ranks = [
+                subprocess.Popen(
+                    [sys.executable, "-c", RANK, job],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=child_env(
+                        RANK=str(r),
+                        WORLD_SIZE="2",
+                        LOCAL_WORLD_SIZE="2",
+                        MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port),
+                    ),
+                )
+                for r in range(2)
+            ]
+            outs = [p.communicate(timeout=60)[0] for p in ranks]
+            assert [p.returncode for p in ranks] == [3, 3], outs
+            assert outs[0].startswith("JobInUse"), outs[0]
+            assert "rank 1 of 2" in outs[1] and "rank 0 could not host" in outs[1], outs[1]
+            for out in outs:
+                assert job in out and f"pid {holder.pid}" in out, out
+    finally:
+        holder.kill()
+        holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()
 
 
 def test_checkpointers_of_one_process_share_one_coordinator(tmp_path: Path) -> None:
