@@ -130,6 +130,7 @@ class Server:
             "serve",
             "--root",
             str(root),
+            "--create-root",
             "--listen",
             "127.0.0.1:0",
             "--port-file",

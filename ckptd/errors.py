@@ -15,6 +15,7 @@
     ├── InvalidRequest(ValueError)              a malformed request to the coordinator
     ├── Unauthenticated(PermissionError)        wrong or missing coordinator token
     ├── CoordinatorUnavailable(ConnectionError) the coordinator cannot be reached
+    ├── JobInUse                                another process's coordinator has the job open
     └── SaveFailed                              a save did not commit
         ├── SaveAborted                         aborted: a rank failed, lease expired, timeout
         ├── StaleGeneration                     fenced: a newer generation of the job exists
@@ -89,6 +90,10 @@ class CoordinatorUnavailable(CkptError, ConnectionError):
     pass
 
 
+class JobInUse(CkptError):
+    """Another process hosts a coordinator over the same catalog (a job open twice)."""
+
+
 class SaveFailed(CkptError):
     """A save did not commit; earlier checkpoints are untouched."""
 
@@ -121,6 +126,7 @@ __all__ = [
     "InvalidRequest",
     "Unauthenticated",
     "CoordinatorUnavailable",
+    "JobInUse",
     "SaveFailed",
     "SaveAborted",
     "StaleGeneration",

@@ -379,6 +379,7 @@ class Serve:
             "serve",
             "--root",
             str(self.root),
+            "--create-root",  # a test's root is new on the first life
             "--listen",
             listen,
             "--token-file",

@@ -983,7 +983,7 @@ def test_rebuild_does_not_recreate_a_job_removed_after_the_walk_listed_it(
 
 @pytest.mark.parametrize(
     "bad",
-    ["/etc", "../escape", "team/../../escape", "{root}/../sibling", "{root}", "bad name/x"],
+    ["/etc", "../escape", "team/../../escape", "{root}/../sibling", "{root}", "team/../job"],
 )
 def test_job_outside_root_is_refused(root: Path, bad: str) -> None:
     async def main():
@@ -992,8 +992,7 @@ def test_job_outside_root_is_refused(root: Path, bad: str) -> None:
             path = bad.format(root=root)
             with pytest.raises((UnsafePath, InvalidRequest)) as ei:
                 await core.open_job(path, "a")
-            if bad != "bad name/x":
-                assert isinstance(ei.value, UnsafePath)
+            assert isinstance(ei.value, UnsafePath)
             with pytest.raises((UnsafePath, InvalidRequest)):
                 await core.begin_save(SaveRef(path, 1, 0, 0, 1), [], state={"int": 1})
 

@@ -91,8 +91,11 @@ def test_job_names_under_a_local_root(tmp_path: Path) -> None:
     for outside in ("../x", "/etc", "team/../../x"):
         with pytest.raises(UnsafePath, match="outside"):
             root.job_name(outside)
-    with pytest.raises(UnsafePath, match="unsafe component"):
-        root.job_name("my job")
+    for name in ("my job", "lr=3e-4,bs=64", "exp+v2", "実験", "team/my run"):
+        assert root.job_name(name) == name  # any name its user gives a job
+    for bad in ("job\nx", "job\tx", "job\x7f", "team/./job", "team/../job"):
+        with pytest.raises(UnsafePath):
+            root.job_name(bad)
     assert root.job_dir("team/a") == f"{root.path}/team/a"
     (tmp_path / "root").mkdir()
     (tmp_path / "elsewhere").mkdir()

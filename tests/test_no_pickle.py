@@ -279,6 +279,8 @@ def test_nothing_on_storage_is_pickle(job):
             import json
 
             json.loads(data)
+        elif rel == ".ckptd/catalog.sqlite.lock":  # its lock names the holder, in text
+            assert data.decode().startswith("pid "), data
         elif rel.startswith(".ckptd/catalog.sqlite"):  # the embedded coordinator's catalog
             assert rel == ".ckptd/catalog.sqlite" and data.startswith(b"SQLite format 3\0"), rel
         else:

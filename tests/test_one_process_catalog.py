@@ -64,8 +64,7 @@ def test_a_failed_module_level_save_can_be_retried_at_the_same_step(tmp_path):
 
 
 def test_a_job_named_as_its_user_likes_saves_through_either_call(tmp_path):
-    """The embedded coordinator serves its own process's job: any one safe directory name
-    (`ckptd serve` keeps [A-Za-z0-9._-], see test_path_confinement)."""
+    """Any one safe directory name, as `ckptd serve` takes it (see test_path_confinement)."""
     job = str(tmp_path / "runs" / "my job ☃ (1)")
     ckpt.save({"w": torch.ones(3)}, job, step=1)
     with ckpt.Checkpointer(job) as cp:

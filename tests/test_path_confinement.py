@@ -9,18 +9,20 @@ are at the end here. The transport-free core, real files.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
 from ckpt_testutil import list_files
-from coordinator_fixtures import RankSim, new_core, run, started
+from coordinator_fixtures import TOKEN, RankSim, ServerThread, new_core, run, started
 
 import ckpt
 from ckptd.coordinator.types import SaveRef
 from ckptd.errors import CkptError, InvalidRequest, UnsafePath
 from ckptd.format import layout
+from ckptd.server import ServerOptions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,9 +33,23 @@ BAD_JOBS = {
     "nul": "job\x00x",
     "overlong": "j" * 5000,
     "empty": "",
-    "unicode": "jöb",
-    "space": "my job",
     "backslash": "team\\job",
+    "dot-component": "team/./job",
+    "dotdot-component": "team/../job",  # stays under the root once folded: still refused
+    "root-itself": ".",
+    "newline": "job\nx",
+    "tab": "job\tx",
+    "escape-sequence": "job\x1b[31m",
+    "del": "job\x7f",
+}
+# Names users give their own jobs: accepted by every entry point alike.
+GOOD_JOBS = {
+    "hyperparameters": "lr=3e-4,bs=64",
+    "space": "my run",
+    "plus": "exp+v2",
+    "cjk": "実験",
+    "umlaut": "jöb",
+    "nested": "team/my job (1)",
 }
 
 
@@ -60,6 +76,36 @@ def test_bad_job_paths(tmp_path: Path, tally, bad: str) -> None:
         run(main())
         assert not (tmp_path / "escape").exists()
         assert not [f for f in list_files(tmp_path) if not f.startswith("root/")]
+
+
+@pytest.mark.parametrize("name", list(GOOD_JOBS.values()), ids=list(GOOD_JOBS))
+def test_names_users_give_jobs_save_and_load_everywhere(
+    tmp_path: Path, name: str, ckptctl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ckpt.save, a Checkpointer (embedded coordinator), a client of a real gRPC server
+    (what `ckptd serve` runs) and ckptctl all take the name; every step loads back."""
+    for k in ("RANK", "WORLD_SIZE", "CKPTD_ADDRESS", "CKPTD_TOKEN", "CKPT_ATTEMPT"):
+        monkeypatch.delenv(k, raising=False)
+    root = tmp_path / "root"
+    job = str(root / name)
+    ckpt.save({"w": torch.full((3,), 1.0)}, job, step=1)
+    with ckpt.Checkpointer(job) as cp:
+        cp.save({"w": torch.full((3,), 2.0)}, 2, blocking=True)
+    server = ServerThread(root, options=ServerOptions(token=TOKEN))
+    try:
+        with ckpt.Checkpointer(job, coordinator=server.address, token=TOKEN, attempt="a") as cp:
+            assert cp.job_name == name
+            cp.save({"w": torch.full((3,), 3.0)}, 3, blocking=True)
+            assert [r.step for r in cp.client.list_checkpoints(job)] == [1, 2, 3]
+    finally:
+        server.stop()
+    for step in (1, 2, 3):
+        got = ckpt.load({}, job, step=step).state["w"]
+        assert torch.equal(got, torch.full((3,), float(step))), (step, got)
+    rc, out, err = ckptctl("verify", job)
+    assert rc == 0, err
+    rc, out, err = ckptctl("list", job, "--json")
+    assert rc == 0 and [s["step"] for s in json.loads(out)["steps"]] == [1, 2, 3], (out, err)
 
 
 def test_job_directory_symlinked_out_of_the_root(tmp_path: Path, tally) -> None:

@@ -1,13 +1,17 @@
 """`ckptd serve` runs the coordinator; `ckptd rebuild-catalog` recreates its catalog.
 
-    ckptd serve --root /ckpts --listen 0.0.0.0:7070 [--catalog /var/lib/ckptd/catalog.sqlite]
+    ckptd serve --root /ckpts --listen 0.0.0.0:7070 [--create-root]
+                [--catalog /var/lib/ckptd/catalog.sqlite]
                 [--token-file F] [--tls-cert C --tls-key K [--tls-client-ca CA]]
                 [--lease 60] [--barrier-timeout 600]
                 [--metrics-port N [--metrics-host H] [--metrics-port-file F]]
 
-Jobs outside --root are refused. The catalog defaults to <root>/.ckptd/catalog.sqlite and
+Jobs outside --root are refused; a --root that does not exist is refused (a typo would be
+served, empty) unless --create-root. One coordinator per catalog: a second `ckptd serve`
+on the same catalog is refused while the first runs. The catalog defaults to <root>/.ckptd/catalog.sqlite and
 must be on a local disk (SQLite is not safe on NFS/Lustre): pass --catalog elsewhere when
-the root is a parallel filesystem. SIGTERM/SIGINT stop it gracefully. With --metrics-port,
+the root is a parallel filesystem. Usage errors exit 2, failures to start (a port in use, a
+catalog held) 1, each with one `error:` line. SIGTERM/SIGINT stop it gracefully. With --metrics-port,
 Prometheus metrics are served at http://HOST:PORT/metrics (ckptd/server/metrics.py).
 """
 
@@ -21,7 +25,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from ckptd.coordinator.catalog import Catalog
+from ckptd.coordinator.catalog import Catalog, CatalogLock
 from ckptd.coordinator.core import Coordinator
 from ckptd.errors import CkptError
 from ckptd.server import ServerOptions, create_server
@@ -45,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     s = sub.add_parser("serve", help="run the coordinator")
     s.add_argument("--root", required=True, help="checkpoint root; every job lives under it")
+    s.add_argument("--create-root", action="store_true", help="create --root if it does not exist")
     s.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT (port 0 picks one)")
     s.add_argument("--catalog", help="catalog file (default <root>/.ckptd/catalog.sqlite)")
     s.add_argument(
@@ -112,7 +117,43 @@ async def serve(args: argparse.Namespace) -> int:
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         print(f"error: --metrics-port {args.metrics_port} is not a port (0-65535)", file=sys.stderr)
         return 2
-    makedirs_durable(args.root)
+    listen_error = _check_listen(args.listen)
+    if listen_error:
+        print(f"error: --listen {args.listen!r}: {listen_error}", file=sys.stderr)
+        return 2
+    root = JobLocation.of(args.root)
+    if not root.is_url and not os.path.isdir(root.path):
+        if os.path.exists(root.path) or not args.create_root:
+            what = "is not a directory" if os.path.exists(root.path) else "does not exist"
+            print(
+                f"error: --root {root.path} {what}; check the path, or pass --create-root "
+                "to serve a new, empty root",
+                file=sys.stderr,
+            )
+            return 2
+        makedirs_durable(root.path)
+    lock = CatalogLock(
+        _catalog_path(args),
+        what=f"the catalog of root {root.path}",
+        advice="Stop the other `ckptd serve`, or give this one its own --catalog and --root",
+    )
+    try:
+        return await _serve_locked(args, token)
+    finally:
+        lock.release()
+
+
+def _check_listen(listen: str) -> str:
+    """Why `listen` is not HOST:PORT ('' when it is)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host:
+        return "expected HOST:PORT (e.g. 127.0.0.1:7070, 0.0.0.0:7070, [::]:7070)"
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        return f"{port!r} is not a port (0-65535; 0 picks a free one)"
+    return ""
+
+
+async def _serve_locked(args: argparse.Namespace, token: str | None) -> int:
     catalog = Catalog(_catalog_path(args), allow_network_fs=args.allow_network_catalog)
     core = Coordinator(
         args.root, catalog, lease_s=args.lease, barrier_timeout_s=args.barrier_timeout
@@ -143,7 +184,19 @@ async def serve(args: argparse.Namespace) -> int:
         tls_client_ca=_read(args.tls_client_ca),
         max_calls_per_client=args.max_calls_per_client,
     )
-    server, port = await create_server(core, args.listen, options)
+    try:
+        server, port = await create_server(core, args.listen, options)
+    except RuntimeError as e:  # grpc's "Failed to bind to address ..."
+        await core.close()
+        catalog.close()
+        if metrics_server is not None:
+            metrics_server.close()
+        print(
+            f"error: cannot listen on {args.listen}: {e}; is another server using the port? "
+            "pick another --listen port (0 picks a free one)",
+            file=sys.stderr,
+        )
+        return 1
     host = args.listen.rsplit(":", 1)[0]
     log.info("ckptd serving %s on %s:%d (catalog %s)", core.root, host, port, catalog.path)
     print(f"ckptd: serving {core.root} on {host}:{port}", flush=True)
@@ -173,6 +226,18 @@ def _write_atomically(path: str, text: str) -> None:
 
 def rebuild(args: argparse.Namespace) -> int:
     path = _catalog_path(args)
+    lock = CatalogLock(
+        path,
+        what=f"the catalog of root {JobLocation.of(args.root).path}",
+        advice="Stop the `ckptd serve` using it before rebuilding its catalog",
+    )
+    try:
+        return _rebuild_locked(args, path)
+    finally:
+        lock.release()
+
+
+def _rebuild_locked(args: argparse.Namespace, path: str) -> int:
     if os.path.exists(path):
         os.replace(path, path + ".old")
         for ext in ("-wal", "-shm"):

@@ -15,14 +15,22 @@ transaction shared with whatever else is queued (group commit).
 
 SQLite's locking is not safe on NFS/Lustre/other network filesystems, so opening a
 catalog there is refused unless explicitly allowed.
+
+One coordinator per catalog: two (two processes that each started an embedded coordinator
+on one job, two `ckptd serve` on one root) would each believe their own generations and
+recover, that is abort, each other's saves in flight. A coordinator holds `CatalogLock`,
+an flock on `<catalog>.lock`, for its life; the kernel releases it when the process dies,
+so a killed coordinator never leaves it stuck.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import json
 import os
+import socket
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +46,7 @@ from ckptd.coordinator.types import (
     ShardReport,
     StatusResult,
 )
-from ckptd.errors import CkptError
+from ckptd.errors import CkptError, JobInUse
 from ckptd.storage.location import NETWORK_FS, filesystem_type
 
 SCHEMA = """
@@ -176,6 +184,38 @@ def check_local(path: str) -> None:
         )
 
 
+class CatalogLock:
+    """An exclusive flock on `<catalog>.lock`, held until `release` (or the process dies).
+
+    The file says who holds it ("pid N on HOST"), for the error the next opener gets.
+    """
+
+    def __init__(self, catalog_path: str, *, what: str, advice: str):
+        self.path = f"{catalog_path}.lock"
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise JobInUse(
+                f"{what} is already open in another process ({holder}): its catalog "
+                f"{catalog_path} is locked. {advice}"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor releases the flock
+            self._fd = None
+
+
 class Catalog:
     def __init__(self, path: str, *, allow_network_fs: bool = False):
         self.path = path
@@ -183,14 +223,21 @@ class Catalog:
         if not allow_network_fs:
             check_local(path)
         self.created = not os.path.exists(path)
-        # Two connections: writes (and their fsyncs) run on one thread of their own, off
-        # the event loop; reads run on the loop against the other (WAL lets them proceed).
-        self._wdb = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self._wdb.execute("PRAGMA journal_mode=WAL")
-        self._wdb.execute("PRAGMA synchronous=FULL")
-        self._wdb.executescript(SCHEMA)
-        migrate(self._wdb)
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        try:
+            # Two connections: writes (and their fsyncs) run on one thread of their own, off
+            # the event loop; reads run on the loop against the other (WAL lets them proceed).
+            self._wdb = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self._wdb.execute("PRAGMA journal_mode=WAL")
+            self._wdb.execute("PRAGMA synchronous=FULL")
+            self._wdb.executescript(SCHEMA)
+            migrate(self._wdb)
+            self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as e:
+            raise CatalogError(
+                f"cannot open the catalog {path}: {e}; it must be a writable file on a local "
+                "disk (ckptd serve --catalog PATH, or CKPTD_CATALOG_DIR for the embedded "
+                "coordinator)"
+            ) from e
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckptd-catalog")
         self._pending: list[tuple[list[tuple[str, tuple[Any, ...]]], asyncio.Future[None]]] = []
         self._flush_task: asyncio.Task[None] | None = None

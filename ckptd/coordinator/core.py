@@ -86,12 +86,8 @@ class Coordinator(Recovery):
         lease_s: float = 60.0,
         barrier_timeout_s: float = 600.0,
         storage_factory: Callable[[str], Storage] | None = None,
-        any_job_name: bool = False,
     ):
-        """any_job_name: accept any safe directory name as a job's (the embedded
-        coordinator, which serves its own process's job); else [A-Za-z0-9._-] only."""
         self.location = JobLocation.of(root)
-        self.any_job_name = any_job_name
         self.root = self.location.path
         self.catalog = catalog
         self.lease_s = lease_s
@@ -153,7 +149,7 @@ class Coordinator(Recovery):
     def _job_name(self, job: str) -> str:
         if not isinstance(job, str) or not job or "\0" in job or len(job) > 4096:
             raise InvalidRequest(f"job path {job[:80]!r} is empty, too long or contains NUL")
-        return self.location.job_name(job, any_name=self.any_job_name)
+        return self.location.job_name(job)
 
     def storage(self, job: str) -> Storage:
         s = self._storages.get(job)

@@ -96,6 +96,15 @@ class FsspecStorage(Storage):
         if protocol in OBJECT_STORES:
             # Another process (or a killed one) changes the store behind our back.
             storage_options.setdefault("use_listings_cache", False)
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ValueError, ImportError) as e:
+            # Unknown scheme (a typo) or a known one whose package is not installed.
+            raise StorageError(
+                f"job {url}: no storage for the URL scheme {protocol!r} ({e}); fix the URL "
+                "(a local path, file://, s3://, gs://, memory://, ...) or install the fsspec "
+                "package for it (s3fs, gcsfs, adlfs)"
+            ) from None
         self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
         self.root = root.rstrip("/")
         self.url = url.rstrip("/")

@@ -382,7 +382,16 @@ class LocalStorage(Storage):
         self.direct_io = direct_io
         self.early_writeback = early_writeback
         if create:
-            makedirs_durable(self.root)
+            if os.path.lexists(self.root) and not os.path.isdir(self.root):
+                raise StorageError(
+                    errno.ENOTDIR,
+                    f"job {self.root} is a file, not a directory: a job is a directory of "
+                    "checkpoints; save to another path, or move the file away",
+                )
+            try:
+                makedirs_durable(self.root)
+            except OSError as e:
+                raise self.io_error("creating the job directory", "", e) from e
 
     # -- paths -------------------------------------------------------------------------
     def full(self, path: str) -> str:
@@ -422,6 +431,13 @@ class LocalStorage(Storage):
             hint = "; the filesystem is full: free space or retire old checkpoints (ckptctl gc)"
         elif e.errno == errno.EIO:
             hint = "; the device reported an I/O error: check the disk, nothing was committed"
+        elif e.errno == errno.EROFS:
+            hint = (
+                "; the filesystem is mounted read-only: load and resume from it work, save "
+                "to a writable path"
+            )
+        elif e.errno == errno.ENOTDIR:
+            hint = "; a component of the path is a file, not a directory: pick another path"
         err = StorageError(
             e.errno or errno.EIO,
             f"{op} {os.path.join(self.root, path)}{where} failed: {e.strerror or e}{hint}",

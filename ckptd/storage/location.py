@@ -13,9 +13,10 @@ It also knows a job's place under a root (`job_name`, `job_dir`, both confined) 
 the embedded coordinator keeps the job's SQLite catalog: beside the job on a local disk,
 else (a network filesystem, where SQLite's locking is unsafe, or an object store, where
 it cannot live) under `$CKPTD_CATALOG_DIR/<hash>/` or `~/.cache/ckptd/catalogs/<hash>/`,
-the hash being of the normalised path. `$CKPTD_CATALOG_DIR`, when set, wins, except for a
-store that lives in this process alone (memory://): its catalog lives and dies with the
-process, in a temporary directory.
+the hash being of the normalised path; a job on a read-only mount has its catalog there
+too (a job resumes and loads from read-only storage; its saves fail with EROFS).
+`$CKPTD_CATALOG_DIR`, when set, wins, except for a store that lives in this process alone
+(memory://): its catalog lives and dies with the process, in a temporary directory.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import tempfile
 import threading
 
 from ckptd.errors import UnsafePath
-from ckptd.storage.paths import check_name, check_relative
+from ckptd.storage.paths import check_name
 
 # Filesystems on which SQLite's locking and WAL are not safe (and whose latency makes a
 # catalog slow): a catalog is never put there by default.
@@ -98,6 +99,18 @@ def filesystem_type(path: str) -> str:
     except OSError:
         return ""
     return fstype
+
+
+def is_read_only(path: str) -> bool:
+    """True when `path` (or, if it does not exist, its nearest existing parent) is on a
+    filesystem mounted read-only."""
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "/"
+    try:
+        return bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def local_dir(path: str) -> str:
@@ -171,20 +184,27 @@ class JobLocation:
         return self.path if self.path.endswith("/") else self.path + "/"
 
     # -- a root: the directory of jobs a coordinator serves -------------------------------
-    def job_name(self, job: str, *, any_name: bool = False) -> str:
+    def job_name(self, job: str) -> str:
         """`job` (absolute, relative to this root, or a URL under it) as a path relative
         to this root; refuses anything outside it or with an unsafe component.
 
-        Components are [A-Za-z0-9._-] names (check_relative): a shared service's job names
-        come from the wire and land in its metrics and logs. any_name=True takes any one
-        safe directory name per component (check_name): the embedded coordinator serves
-        the one job its own process named, whatever its user called the directory."""
+        Each component is any one directory name a user may give their job (check_name:
+        `lr=3e-4,bs=64`, `my run`, `実験`), the same for `ckptd serve` and the embedded
+        coordinator; what is refused is a way out of the root or a name two ways: '..',
+        '.', empty components, separators, NUL and control characters."""
         if self.is_url:
             prefix = self._prefix()
             rel = job[len(prefix) :] if job.startswith(prefix) else job
             if "://" in rel:
                 raise UnsafePath(f"job {job!r} is outside the coordinator's root {self.path}")
         else:
+            for part in job.split("/"):
+                # Before normpath folds 'a/../b' into 'b': a '..' is never part of a job.
+                if part in (".", ".."):
+                    raise UnsafePath(
+                        f"job {job!r} has a {part!r} component, outside the coordinator's "
+                        f"root {self.path}; name the job's directory under the root"
+                    )
             full = job if os.path.isabs(job) else os.path.join(self.path, job)
             full = os.path.normpath(full)
             if full != self.path and not full.startswith(self._prefix()):
@@ -193,9 +213,8 @@ class JobLocation:
                     "save under the root the coordinator serves"
                 )
             rel = os.path.relpath(full, self.path)
-        check = check_name if any_name else check_relative
         for part in rel.split("/"):
-            check(part, what=f"job {job!r} component")
+            check_name(part, what=f"job {job!r} component")
         return rel
 
     def job_dir(self, name: str) -> str:
@@ -209,6 +228,11 @@ class JobLocation:
                     f"job {name!r} resolves through a symlink to {real}, outside {self.path}"
                 )
         return path
+
+    @property
+    def read_only(self) -> bool:
+        """True for a local job on a read-only mount (its catalog cannot live beside it)."""
+        return not self.is_url and is_read_only(self.path)
 
     # -- catalogs --------------------------------------------------------------------------
     @property
@@ -229,6 +253,6 @@ class JobLocation:
             probe = self.path
             while not os.path.exists(probe):
                 probe = os.path.dirname(probe) or "/"
-            if filesystem_type(probe) not in NETWORK_FS:
+            if filesystem_type(probe) not in NETWORK_FS and not self.read_only:
                 return self.catalog_beside
         return os.path.join(os.path.expanduser(_CATALOG_CACHE), digest, CATALOG_NAME)

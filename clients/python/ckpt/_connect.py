@@ -103,9 +103,14 @@ def _zero_config(
     if rank == 0:
         single_node = os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
         host = "127.0.0.1" if single_node else "0.0.0.0"  # noqa: S104 - other nodes must reach it
-        embedded = EmbeddedCoordinator(
-            path, host=host, lease_s=lease_s, barrier_timeout_s=barrier_timeout_s
-        )
+        try:
+            embedded = EmbeddedCoordinator(
+                path, host=host, lease_s=lease_s, barrier_timeout_s=barrier_timeout_s
+            )
+        except CkptError as e:
+            # The other ranks wait for this key: tell them why, not a store timeout later.
+            store.set(key, json.dumps({"error": str(e)}))  # type: ignore[attr-defined]
+            raise
         info = {
             "address": embedded.address,
             "token": embedded.token,
@@ -114,6 +119,11 @@ def _zero_config(
         store.set(key, json.dumps(info))  # type: ignore[attr-defined]
     else:
         info = json.loads(store.get(key))  # type: ignore[attr-defined]
+        if "error" in info:
+            raise CkptError(
+                f"job {path!r} rank {rank} of {world_size}: rank 0 could not host the job's "
+                f"coordinator: {info['error']}"
+            )
     return info["address"], info["token"], info["attempt"], embedded
 
 

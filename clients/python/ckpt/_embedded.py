@@ -7,44 +7,67 @@ token. Other ranks learn the address and token through torch.distributed's store
 is a key-value service, not a collective: a slow rank never blocks another's training.
 
 The catalog lives where `JobLocation.catalog_path` says: `<job>/.ckptd/catalog.sqlite`
-when the job directory is on a local filesystem, else (a network filesystem, or an object
-store URL such as s3://bucket/job) under `$CKPTD_CATALOG_DIR` or
-`~/.cache/ckptd/catalogs/<hash>/` (SQLite is not safe on NFS/Lustre, and cannot live in a
-bucket). It can always be rebuilt from storage.
+when the job directory is on a local, writable filesystem, else (a network filesystem, a
+read-only mount, or an object store URL such as s3://bucket/job) under
+`$CKPTD_CATALOG_DIR` or `~/.cache/ckptd/catalogs/<hash>/` (SQLite is not safe on
+NFS/Lustre, and cannot live in a bucket). It can always be rebuilt from storage.
+
+One coordinator per job and host: each holds its catalog's `CatalogLock` for its life, so
+a second process opening the job gets `JobInUse` (the kernel drops the lock of a killed
+process). Within one process, every `EmbeddedCoordinator(job)` is a handle on one shared
+coordinator per job (the module-level `ckpt.save` while a Checkpointer is open, a DCP
+writer and a Checkpointer): the process behaves as one client of one coordinator, as it
+would against `ckptd serve`, where each Checkpointer is its own attempt and the newest
+fences the older. The last handle closed stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import secrets
 import socket
 import threading
 from typing import Any
 
-from ckptd.coordinator.catalog import Catalog
+from ckptd.coordinator.catalog import Catalog, CatalogLock
 from ckptd.coordinator.core import Coordinator
 from ckptd.server import ServerOptions, create_server
-from ckptd.storage.local import makedirs_durable
+from ckptd.storage import open_storage
 from ckptd.storage.location import JobLocation
 
+log = logging.getLogger("ckpt")
 
-class EmbeddedCoordinator:
-    """Coordinator + gRPC server on a private event loop thread."""
+
+class _Hosted:
+    """Coordinator + gRPC server on a private event loop thread, holding the catalog lock."""
 
     def __init__(
-        self,
-        job_path: str,
-        *,
-        host: str = "127.0.0.1",
-        lease_s: float = 60.0,
-        barrier_timeout_s: float = 600.0,
+        self, location: JobLocation, *, host: str, lease_s: float, barrier_timeout_s: float
     ):
-        self.location = JobLocation.of(job_path)
-        self.job_path = self.location.path
-        if not self.location.is_url:  # an object store has no directories to make
-            makedirs_durable(self.job_path)
-        self.root = self.location.parent  # the coordinator serves the job's parent
+        self.location = location
+        # Refuses a path that is a file, an unknown URL scheme, an unwritable parent, before
+        # anything is started; makes the job's directory (an object store has none to make).
+        open_storage(location, create=not location.read_only)
+        catalog_path = location.catalog_path()
+        self.lock = CatalogLock(
+            catalog_path,
+            what=f"job {location.path}",
+            advice=(
+                "Two coordinators over one job would abort each other's saves: close the "
+                "other process's Checkpointer (or let it finish), or run one `ckptd serve` "
+                "and point every process at it (CKPTD_ADDRESS)"
+            ),
+        )
+        if location.read_only:
+            log.info(
+                "job %s is on a read-only filesystem: its catalog is kept at %s; load and "
+                "resume work, saves will fail",
+                location.path,
+                catalog_path,
+            )
+        self.users = 0
         self.token = secrets.token_urlsafe(24)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -53,7 +76,11 @@ class EmbeddedCoordinator:
         self._thread.start()
         self._server: Any = None
         self.core: Coordinator | None = None
-        self.port = self._run(self._start(host, lease_s, barrier_timeout_s))
+        try:
+            self.port = self._run(self._start(catalog_path, host, lease_s, barrier_timeout_s))
+        except BaseException:
+            self.close()
+            raise
         bind = "127.0.0.1" if host in ("127.0.0.1", "localhost") else _reachable_host()
         self.address = f"{bind}:{self.port}"
 
@@ -61,14 +88,13 @@ class EmbeddedCoordinator:
         fut: concurrent.futures.Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return fut.result(timeout)
 
-    async def _start(self, host: str, lease_s: float, barrier_timeout_s: float) -> int:
-        catalog = Catalog(self.location.catalog_path())
+    async def _start(
+        self, catalog_path: str, host: str, lease_s: float, barrier_timeout_s: float
+    ) -> int:
+        catalog = Catalog(catalog_path)
+        # The coordinator serves the job's parent (memory://job's is memory://).
         self.core = Coordinator(
-            self.root,
-            catalog,
-            lease_s=lease_s,
-            barrier_timeout_s=barrier_timeout_s,
-            any_job_name=True,  # the job this process's user named, whatever its name
+            self.location.parent, catalog, lease_s=lease_s, barrier_timeout_s=barrier_timeout_s
         )
         await self.core.start()
         self._server, port = await create_server(
@@ -92,10 +118,55 @@ class EmbeddedCoordinator:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
             self._loop.close()
+            self.lock.release()  # only once the catalog is closed
+
+
+_lock = threading.Lock()
+_hosted: dict[str, _Hosted] = {}
+
+
+class EmbeddedCoordinator:
+    """A handle on this process's embedded coordinator of job `job_path` (module docstring):
+    the first handle starts it (with its host, lease and barrier timeout), the last one
+    closed stops it."""
+
+    def __init__(
+        self,
+        job_path: str,
+        *,
+        host: str = "127.0.0.1",
+        lease_s: float = 60.0,
+        barrier_timeout_s: float = 600.0,
+    ):
+        self.location = JobLocation.of(job_path)
+        self.job_path = self.location.path
+        with _lock:  # held while starting: a second handle must not start a second one
+            hosted = _hosted.get(self.job_path)
+            if hosted is None:
+                hosted = _Hosted(
+                    self.location, host=host, lease_s=lease_s, barrier_timeout_s=barrier_timeout_s
+                )
+                _hosted[self.job_path] = hosted
+            hosted.users += 1
+        self._hosted: _Hosted | None = hosted
+        self.root = self.location.parent
+        self.token, self.port, self.address = hosted.token, hosted.port, hosted.address
+        self.core = hosted.core
+
+    def close(self) -> None:
+        # Stopped under the lock: a handle opened meanwhile must not start a second
+        # coordinator while this one still holds the catalog's lock.
+        with _lock:
+            hosted, self._hosted = self._hosted, None
+            if hosted is None:
+                return
+            hosted.users -= 1
+            if hosted.users == 0:
+                del _hosted[self.job_path]
+                hosted.close()
 
 
 def _reachable_host() -> str:
-
     name = socket.gethostname()
     try:
         return socket.gethostbyname(name)
