@@ -102,3 +102,15 @@ def test_module_level_saves_of_many_ranks_write_each_replica_once(tmp_path):
     assert sum(r["indexed"] for r in results) == state  # each chunk indexed once
     # What the disk holds: the replicas once (plus block rounding), not 2x the state.
     assert sum(r["allocated"] for r in results) < 1.25 * state, results
+
+
+def test_a_module_level_save_goes_through_the_processs_open_checkpointer(tmp_path):
+    """It neither fences the user's open Checkpointer of the job nor starts another attempt."""
+    job = str(tmp_path / "job")
+    with ckpt.Checkpointer(job) as cp:
+        cp.save({"w": torch.ones(2)}, 1, blocking=True)
+        ckpt.save({"w": torch.full((2,), 2.0)}, job, step=2)
+        cp.save({"w": torch.full((2,), 3.0)}, 3, blocking=True)  # not StaleGeneration
+        gens = {r.step: r.generation for r in cp.client.list_checkpoints(cp.path)}
+    assert gens == {1: cp.generation, 2: cp.generation, 3: cp.generation}
+    assert torch.equal(ckpt.load({}, job).state["w"], torch.full((2,), 3.0))

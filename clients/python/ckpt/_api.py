@@ -17,7 +17,7 @@ import threading
 from typing import Any, overload
 
 from ckpt import _default, _world
-from ckpt._checkpointer import Checkpointer
+from ckpt._checkpointer import Checkpointer, open_on
 from ckpt._load import load_from_tiers
 from ckpt._pending import PendingSave
 from ckpt._restore import LoadResult
@@ -128,16 +128,16 @@ _shared: dict[str, Checkpointer] = {}
 def _checkpointer_for(path: PathLike) -> tuple[Checkpointer, bool]:
     """The Checkpointer a module-level save goes through, and whether the caller closes it.
 
-    The job's default Checkpointer when it is open (one coordinator per job and process).
-    One process alone opens one for the save and closes it after, so nothing outlives the
-    call. Several ranks keep one per job for the life of the process: opening one is a
+    A Checkpointer this process has open on the job (the default one, or the user's own),
+    so the save neither fences it nor needs a coordinator of its own. Else one process alone
+    opens one for the save and closes it after, so nothing outlives the call. Several ranks keep one per job for the life of the process: opening one is a
     step every rank takes together (the coordinator's address and the attempt travel
     through the process group's store), which a call on one rank cannot redo alone.
     """
-    d = _default.current()
     p = JobLocation.of(path).path
-    if d is not None and not d.closed and d.path == p:
-        return d, False
+    cp = open_on(p)
+    if cp is not None:
+        return cp, False
     if _world.rank_and_world()[1] == 1:
         return Checkpointer(p), True
     with _lock:

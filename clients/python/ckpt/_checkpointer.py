@@ -685,6 +685,13 @@ class Checkpointer:
 _open: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
+def open_on(path: str) -> Checkpointer | None:
+    """This process's open Checkpointer of job `path` (normalised), the newest attempt's
+    when there are several (it fences the others), else None."""
+    mine = [cp for cp in list(_open) if cp.path == path and not cp.closed]
+    return max(mine, key=lambda cp: cp.generation) if mine else None
+
+
 @atexit.register
 class _Unset:
     """The parent of a Checkpointer's first save before it is looked up."""
