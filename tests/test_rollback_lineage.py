@@ -153,3 +153,29 @@ def test_the_plan_follows_the_line_and_spares_the_save_it_runs_for() -> None:
     assert ckfmt.live_line(steps) == [16, 14, 12, 10]
     assert retention.plan(steps, 2).retire == (10, 12)
     assert retention.plan(steps, 1, keep=(14,)).retire == (10, 12)
+
+
+def test_gc_follows_the_live_line_and_removes_an_abandoned_branch_on_request(
+    tmp_path: Path, ckptctl: Runner
+) -> None:
+    """`ckptctl gc --keep-last` is retention's rule (the live line), not step order, and
+    `--abandoned` removes the branch a rollback left."""
+    job = str(tmp_path / "job")
+    with ckpt.Checkpointer(job) as cp:  # no keep_last: everything stays
+        for step in (10, 20):
+            cp.save(state(step), step, blocking=True)
+        cp.load({"w": torch.zeros(64)}, step=10)
+        for step in (12, 14, 16):
+            cp.save(state(step), step, blocking=True)
+    # By step order the newest two would be 16 and 20: gc would have retired 14, the line's.
+    rc, out, err = ckptctl("gc", job, "--keep-last", "2", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["removed"] == [10, 12]
+    assert step_dirs(job) == [14, 16, 20]
+    assert listed(ckptctl, job)[20][1] == "abandoned"
+    rc, out, err = ckptctl("gc", job, "--abandoned", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["removed"] == [20] and "abandoned" in doc["steps"][0]["reason"]
+    assert step_dirs(job) == [14, 16]
+    assert loads(job, 16) and ckpt.load({}, job).step == 16

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from ckptd.coordinator import retention
 from ckptd.errors import CheckpointNotFound, CkptError
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout, recycle, values
@@ -551,24 +552,39 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
     if args.keep_last is not None and args.keep_last < 1:
         raise UsageError("--keep-last must be at least 1 (the newest checkpoint is always kept)")
     steps = ckfmt.list_steps(storage)
-    committed = [s.step for s in steps if s.status == ckfmt.COMMITTED]
-    newest = committed[-1] if committed else None
-    doomed: list[tuple[int, str]] = []
-    for s in steps:
-        # Only unfinished saves are debris; an unreadable manifest may be a whole checkpoint.
-        if s.status == ckfmt.INCOMPLETE and (
-            newest is None or s.step < newest or args.include_newer
-        ):
-            doomed.append((s.step, f"{s.status.lower()}: {s.error}"))
+    # What retention would remove is the retention rule's to say (ckptd.coordinator.retention:
+    # debris below the live line's newest step, the line behind its newest N); gc adds only
+    # what the user asks for beyond it.
+    states = retention.from_storage(storage)
+    plan = retention.plan(states, args.keep_last or len(states) + 1)
+    why = {s.step: f"{s.status.lower()}: {s.error}" for s in steps}
+    doomed: dict[int, str] = {k: why[k] for k in plan.debris}
+    doomed.update((k, "retired by --keep-last") for k in plan.retire if args.keep_last)
+    if args.include_newer:
+        doomed.update((s.step, why[s.step]) for s in steps if s.status == ckfmt.INCOMPLETE)
     if args.quarantined:
-        doomed += [
+        doomed.update(
             (s.step, f"quarantined: {(s.error or '')[:120]}")
             for s in steps
             if s.status == ckfmt.QUARANTINED
-        ]
-    if args.keep_last is not None:
-        doomed += [(st, "retired by --keep-last") for st in committed[: -args.keep_last]]
-    doomed.sort()
+        )
+    if args.abandoned:
+        line = set(
+            ckfmt.live_line(
+                (s for s in states if s.status in (retention.COMMITTED, retention.QUARANTINED)),
+                gaps={
+                    s.step
+                    for s in states
+                    if s.status in (retention.UNFINISHED, retention.UNREADABLE)
+                },
+            )
+        )
+        doomed.update(
+            (s.step, "abandoned: off the live line (a rollback left it)")
+            for s in states
+            if s.status in (retention.COMMITTED, retention.QUARANTINED) and s.step not in line
+        )
+    doomed_steps = sorted(doomed.items())
     strays = _stray_files(
         storage, [s for s in steps if s.status in (ckfmt.COMMITTED, ckfmt.QUARANTINED)]
     )
@@ -577,16 +593,16 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
     bar = (
         None
         if args.dry_run
-        else _progress(len(doomed) + len(strays) + len(pool), "gc", args, "items")
+        else _progress(len(doomed_steps) + len(strays) + len(pool), "gc", args, "items")
     )
     try:
-        for step, why in doomed:
+        for step, reason in doomed_steps:
             sdir = layout.step_dir(step)
             if not args.dry_run:
                 _remove_racing(storage, sdir, partial(ckfmt.remove_step, storage, step))
             _tick(bar)
             if not args.json:
-                print(f"{verb} {sdir} ({why})")
+                print(f"{verb} {sdir} ({reason})")
         for path in strays:
             if not args.dry_run:
                 _remove_racing(storage, path, partial(storage.remove_tree, path))
@@ -609,8 +625,8 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
             {
                 "path": storage.url,
                 "dry_run": args.dry_run,
-                "removed": [s for s, _ in doomed],
-                "steps": [{"step": s, "reason": why} for s, why in doomed],
+                "removed": [s for s, _ in doomed_steps],
+                "steps": [{"step": s, "reason": r} for s, r in doomed_steps],
                 "stray_files": strays,
                 "recycled_files": len(pool),
             },
@@ -811,6 +827,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--quarantined",
         action="store_true",
         help="also remove steps quarantined after failing verification at load time",
+    )
+    sp.add_argument(
+        "--abandoned",
+        action="store_true",
+        help="also remove committed steps off the live line (a branch a rollback left)",
     )
     sp.add_argument("--dry-run", action="store_true", help="show what would be removed")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
