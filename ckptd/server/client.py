@@ -202,7 +202,8 @@ class CoordinatorClient:
             wait = min(left, min(max(1.0, (self.lease_s or 20.0) / 2), 30.0))
             req = pb.AwaitCommitRequest(ref=cv.ref_to_pb(ref), timeout_ms=max(1, int(wait * 1000)))
             st = cv.status_from_pb(
-                self._call(_what(ref), self._stub.AwaitCommit, req, timeout_s=wait + 5)
+                # Twice the slice: a coordinator busy for seconds is not taken for a dead one.
+                self._call(_what(ref), self._stub.AwaitCommit, req, timeout_s=2 * wait + 5)
             )
             if st.status in ("COMMITTED", "ABORTED") or wait >= left:
                 return st
