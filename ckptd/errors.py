@@ -19,7 +19,8 @@
     └── SaveFailed                              a save did not commit
         ├── SaveAborted                         aborted: a rank failed, lease expired, timeout
         ├── StaleGeneration                     fenced: a newer generation of the job exists
-        └── DivergentReplicas                   ranks hold different values under one key
+        ├── DivergentReplicas                   ranks hold different values under one key
+        └── StepMismatch                        ranks save different steps at once
 
 Messages name the job path, step, rank, shard file and key involved, and say what to do.
 Translate foreign exceptions only at boundaries (storage calls, JSON parsing).
@@ -110,6 +111,11 @@ class DivergentReplicas(SaveFailed):
     pass
 
 
+class StepMismatch(SaveFailed):
+    """Ranks of one job save different steps at once (or one skipped a save the others
+    make): none of those saves can gather every rank, so all of them are aborted."""
+
+
 __all__ = [
     "CkptError",
     "CheckpointNotFound",
@@ -131,4 +137,5 @@ __all__ = [
     "SaveAborted",
     "StaleGeneration",
     "DivergentReplicas",
+    "StepMismatch",
 ]

@@ -442,8 +442,8 @@ def add_coordinator_options(sp: argparse.ArgumentParser, what: str) -> None:
 def coordinator_client(args: argparse.Namespace) -> CoordinatorClient:
     """The client of `args.coordinator`, from the options add_coordinator_options added.
 
-    A person waits at the terminal: a coordinator that is down is reported within about
-    ten seconds, not after the training client's minute of retries.
+    A person waits at the terminal: a coordinator that is down or mistyped is reported
+    within a few seconds, not after the training client's retries.
     """
     if bool(args.tls_client_cert) != bool(args.tls_client_key):
         raise UsageError("--tls-client-cert and --tls-client-key go together (mutual TLS)")
@@ -454,6 +454,7 @@ def coordinator_client(args: argparse.Namespace) -> CoordinatorClient:
         root_certificates=_read_file(args.tls_root_cert),
         client_cert=(key, cert) if key is not None and cert is not None else None,
         retry_for_s=10,
+        connect_retry_s=2,
     )
 
 

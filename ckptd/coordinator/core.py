@@ -32,12 +32,15 @@ from ckptd.coordinator import planning, retention
 from ckptd.coordinator.catalog import Catalog, SaveRecord
 from ckptd.coordinator.recovery import Recovery
 from ckptd.coordinator.session import (
+    STEP_MISMATCH_GRACE_S,
     RankPlan,
     Session,
     manifest_of,
     one_block_size,
     remove_empty_step,
     remove_rank_files,
+    step_mismatch,
+    step_mismatch_reason,
 )
 from ckptd.coordinator.types import (
     ABORTED,
@@ -59,6 +62,7 @@ from ckptd.errors import (
     InvalidRequest,
     SaveAborted,
     StaleGeneration,
+    StepMismatch,
     StorageError,
 )
 from ckptd.faults import crash_point
@@ -293,7 +297,8 @@ class Coordinator(Recovery):
                     "committed; save under a new step"
                 )
             if rec is not None and rec.generation == ref.generation and rec.status == ABORTED:
-                raise SaveAborted(
+                ended = self.finished.get((job, ref.step, ref.generation))
+                raise (ended.abort_kind if ended else SaveAborted)(
                     f"job {job!r} step {ref.step}: the save was aborted ({rec.reason})"
                 )
             if self.storage(job).exists(f"{layout.step_dir(ref.step)}/{layout.MANIFEST_NAME}"):
@@ -339,6 +344,8 @@ class Coordinator(Recovery):
         if metadata:
             plan.metadata = metadata
         s.allow_divergent = s.allow_divergent or allow_divergent
+        if step_mismatch(s, self.sessions.values()):
+            self._spawn(self._abort_step_mismatch(s))
         if not plan.complete:
             return BeginResult("", "", [], self.lease_s, [], complete=False)
         if (
@@ -391,6 +398,16 @@ class Coordinator(Recovery):
         crash_point("coordinator.after_barrier")
         if not s.planned.done():
             s.planned.set_result(None)
+
+    async def _abort_step_mismatch(self, s: Session) -> None:
+        """Abort every save that still cannot complete alongside `s` after the grace
+        (session.step_mismatch): each rank learns the steps in seconds, not at the barrier
+        timeout."""
+        await asyncio.sleep(STEP_MISMATCH_GRACE_S)
+        saves = step_mismatch(s, self.sessions.values())
+        reason = step_mismatch_reason(saves) if saves else ""
+        for x in saves:
+            await self._abort(x, reason, kind=StepMismatch, outcome=obs.FAILED)
 
     def _ended(self, ref: SaveRef, job: str) -> StatusResult | None:
         """The final answer for a save this process no longer holds (ended before a

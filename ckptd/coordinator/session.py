@@ -276,6 +276,57 @@ def remove_generation_files(st: Storage, step: int, generation: int, world_size:
         remove_rank_files(st, step, generation, r)
 
 
+# How long two saves that cannot both complete may coexist before both are aborted. A
+# Checkpointer has one save in flight per rank, but the DCP integration's async saves can
+# overlap: two saves' BeginSave threads, all ranks' in one process, may briefly arrive so
+# that save A has only rank 0 and save B only rank 1 (the rest a few ms behind).
+STEP_MISMATCH_GRACE_S = 1.5
+
+
+def step_mismatch(s: Session, sessions: Iterable[Session]) -> list[Session]:
+    """The saves of `s`'s job and generation that cannot complete alongside `s`, with `s`
+    first; empty when there are none.
+
+    Two saves still at the barrier (no assignment yet) whose joined ranks are disjoint can
+    never both complete: a rank saves in order, so a rank waiting in one cannot join the
+    other before the first is planned, and neither is planned without every rank. (When
+    some rank joined both, it left the first somehow; the barrier timeout decides then.)"""
+
+    def waiting(x: Session) -> bool:
+        return x.status == OPEN and x.assignment is None and bool(x.plans)
+
+    if not waiting(s):
+        return []
+    others = [
+        x
+        for x in sessions
+        if x is not s
+        and x.job == s.job
+        and x.generation == s.generation
+        and waiting(x)
+        and not set(x.plans) & set(s.plans)
+    ]
+    return [s, *others] if others else []
+
+
+def step_mismatch_reason(saves: list[Session]) -> str:
+    """The error every rank of these saves gets: each step with the ranks saving it."""
+    steps = sorted(saves, key=lambda x: x.step)
+    joined = set().union(*(x.plans for x in steps))
+    absent = [r for r in range(max(x.world_size for x in steps)) if r not in joined]
+    where = "; ".join(f"rank(s) {_ranks(sorted(x.plans))} save step {x.step}" for x in steps)
+    return (
+        f"job {steps[0].job!r}: the ranks disagree on the step: {where}"
+        + (f" (rank(s) {_ranks(absent)} joined neither)" if absent else "")
+        + ". None of these saves can gather every rank, so all are aborted. Every rank must "
+        "save the same steps in the same order (take the step from a value all ranks share); "
+        "a rank that skipped a save with if_busy='skip' while the others made it (its "
+        "previous save was still persisting) is this disagreement: use if_busy='wait' with "
+        "several ranks, or decide the skip on one rank and share it. Earlier checkpoints are "
+        "untouched"
+    )
+
+
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:16])) + (
         f" (+{len(ranks) - 16} more)" if len(ranks) > 16 else ""

@@ -6,9 +6,14 @@ wire stays inside ckptd.server (converters.py).
 
 Synchronous on purpose: a training process has no event loop of its own to lend, and
 every call here is a short control message. UNAVAILABLE (coordinator restarting, network
-blip) is retried with exponential backoff until the call's overall deadline; every other
-failure becomes the ckptd error the server named in the call's metadata (errors.py),
-prefixed with job, step and rank.
+blip) is retried with exponential backoff for a window that depends on what this client
+has seen, never for a call's own (long) deadline: a coordinator never reached in this
+client's life gets `connect_retry_s` (a mistyped address or a server that is not running
+fails within seconds); one that answered before gets about the lease (`retry_for_s`, then
+the lease the coordinator granted): a restart within that window is ridden out, and after
+it the ranks' leases have expired, so the save is lost anyway. Every other failure becomes
+the ckptd error the server named in the call's metadata (errors.py), prefixed with job,
+step and rank.
 """
 
 from __future__ import annotations
@@ -45,8 +50,10 @@ class CoordinatorClient:
         client_cert: tuple[bytes, bytes] | None = None,  # (key, cert) for mutual TLS
         call_timeout_s: float = 30.0,
         retry_for_s: float = 60.0,
+        connect_retry_s: float = 10.0,
     ):
         self.address = address
+        self.tls = root_certificates is not None or client_cert is not None
         opts = [
             ("grpc.max_receive_message_length", 8 << 20),
             ("grpc.max_send_message_length", 8 << 20),
@@ -65,6 +72,35 @@ class CoordinatorClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.call_timeout_s = call_timeout_s
         self.retry_for_s = retry_for_s
+        self.connect_retry_s = connect_retry_s
+        self.reached = False  # has the coordinator ever answered this client?
+        self.lease_s: float | None = None  # the lease it granted, once a save began
+
+    def retry_window_s(self) -> float:
+        """How long UNAVAILABLE is retried (see the module docstring)."""
+        if not self.reached:
+            return self.connect_retry_s
+        return self.lease_s if self.lease_s is not None else self.retry_for_s
+
+    def unavailable(self, what: str, why: str) -> CoordinatorUnavailable:
+        """The error for a coordinator that cannot be reached, saying what to check."""
+        tls = (
+            "that it serves TLS and tls_root_cert is its CA (with a client certificate its CA "
+            "signed, for mutual TLS)"
+            if self.tls
+            else "whether it is a TLS server (then pass tls_root_cert, --tls-root-cert)"
+        )
+        seen = (
+            "it answered before: it died, restarted for too long or the network dropped"
+            if self.reached
+            else f"it never answered this process (tried for {self.connect_retry_s:.0f} s)"
+        )
+        return CoordinatorUnavailable(
+            f"{what}: coordinator {self.address} unreachable or too slow ({why}); {seen}. "
+            "Check the address (CKPTD_ADDRESS, coordinator=, or ckptctl --coordinator), that "
+            "the process hosting it (`ckptd serve`, or rank 0 for a zero-config job) runs and "
+            f"this host can reach it, and {tls}"
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -73,25 +109,27 @@ class CoordinatorClient:
         self, what: str, fn: Callable[..., T], request: Any, *, timeout_s: float | None = None
     ) -> T:
         timeout = timeout_s or self.call_timeout_s
-        give_up = time.monotonic() + max(self.retry_for_s, timeout)
+        give_up: float | None = None
         delay = 0.05
         while True:
             try:
-                return fn(request, timeout=timeout, metadata=self._metadata)
+                r = fn(request, timeout=timeout, metadata=self._metadata)
+                self.reached = True
+                return r
             except grpc.RpcError as e:
                 code = e.code()
                 details = e.details() or str(code)
-                if code in RETRYABLE and time.monotonic() + delay < give_up:
+                # The window opens at the first failure: a barrier wait of minutes that the
+                # coordinator's death cut short gets the whole window to find it again.
+                if code in RETRYABLE and give_up is None:
+                    give_up = time.monotonic() + self.retry_window_s()
+                if code in RETRYABLE and give_up is not None and time.monotonic() + delay < give_up:
                     time.sleep(delay * (0.5 + random.random()))  # noqa: S311 - jitter, not crypto
                     delay = min(delay * 2, 2.0)
                     continue
                 if code in RETRYABLE or code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise CoordinatorUnavailable(
-                        f"{what}: coordinator {self.address} unreachable or too slow ({code.name}: {details}); "
-                        "check that it runs (CKPTD_ADDRESS), that this host can reach it, and that "
-                        "the TLS settings match the server's (tls_root_cert for a TLS server, "
-                        "a client certificate its CA signed for mutual TLS)"
-                    ) from None
+                    raise self.unavailable(what, f"{code.name}: {details}") from None
+                self.reached = True  # it answered, with an error of its own
                 trailers = e.trailing_metadata() if isinstance(e, grpc.Call) else None
                 raise error_from(code, f"{what}: {details}", trailers, where=self.address) from None
 
@@ -141,7 +179,10 @@ class CoordinatorClient:
         assert r is not None
         if not r.complete:
             raise CkptError(f"{what}: the coordinator did not accept the whole plan")
-        return cv.begin_from_pb(r)
+        begun = cv.begin_from_pb(r)
+        if begun.lease_s > 0:
+            self.lease_s = begun.lease_s
+        return begun
 
     def keep_alive(self, ref: SaveRef) -> StatusResult:
         return cv.status_from_pb(
@@ -153,10 +194,21 @@ class CoordinatorClient:
         return cv.status_from_pb(self._call(_what(ref), self._stub.ReportShard, req, timeout_s=120))
 
     def await_commit(self, ref: SaveRef, timeout_s: float) -> StatusResult:
-        req = pb.AwaitCommitRequest(ref=cv.ref_to_pb(ref), timeout_ms=int(timeout_s * 1000))
-        return cv.status_from_pb(
-            self._call(_what(ref), self._stub.AwaitCommit, req, timeout_s=timeout_s + 30)
-        )
+        """AwaitCommit, in slices of about half the lease: each slice's deadline is short, so
+        a coordinator that died (or a host that vanished without closing the connection) is
+        noticed within about a lease, not at the end of the save's whole timeout; each
+        slice also tells the coordinator that this rank still waits."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = max(0.001, deadline - time.monotonic())
+            wait = min(left, min(max(1.0, (self.lease_s or 20.0) / 2), 30.0))
+            req = pb.AwaitCommitRequest(ref=cv.ref_to_pb(ref), timeout_ms=max(1, int(wait * 1000)))
+            st = cv.status_from_pb(
+                # Twice the slice: a coordinator busy for seconds is not taken for a dead one.
+                self._call(_what(ref), self._stub.AwaitCommit, req, timeout_s=2 * wait + 5)
+            )
+            if st.status in ("COMMITTED", "ABORTED") or wait >= left:
+                return st
 
     def abort_save(self, ref: SaveRef, reason: str) -> StatusResult:
         req = pb.AbortSaveRequest(ref=cv.ref_to_pb(ref), reason=reason[:2000])

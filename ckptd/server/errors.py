@@ -34,6 +34,7 @@ MAX_PATH_BYTES = 2048  # metadata is small; a longer path is cut (the message ha
 TO_CODE: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (E.StaleGeneration, grpc.StatusCode.FAILED_PRECONDITION),
     (E.DivergentReplicas, grpc.StatusCode.FAILED_PRECONDITION),
+    (E.StepMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (E.SaveAborted, grpc.StatusCode.ABORTED),
     (E.CheckpointExists, grpc.StatusCode.ALREADY_EXISTS),
     (E.CheckpointNotFound, grpc.StatusCode.NOT_FOUND),
@@ -71,6 +72,7 @@ KINDS: dict[str, type[E.CkptError]] = {
         E.SaveAborted,
         E.StaleGeneration,
         E.DivergentReplicas,
+        E.StepMismatch,
     )
 }
 

@@ -63,8 +63,14 @@ def connect(
     elif attempt is None:
         attempt = _shared_attempt(path, rank, world_size)
     try:
+        # UNAVAILABLE is retried for about the lease once the coordinator answered (the
+        # ranks' leases expire then anyway); a first contact gets a short window.
         client = CoordinatorClient(
-            address, token=token, root_certificates=tls_root_cert, client_cert=tls_client_cert
+            address,
+            token=token,
+            root_certificates=tls_root_cert,
+            client_cert=tls_client_cert,
+            retry_for_s=lease_s,
         )
         try:
             generation, job_name = client.open_job(path, attempt)
