@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import time
@@ -657,18 +658,22 @@ class Coordinator(Recovery):
         # No other transition from here on; a rank arriving meanwhile gets the same error.
         s.status, s.reason, s.abort_kind = ABORTED, reason, kind
         self._finish(s)
+        remove = functools.partial(
+            self._remove_files, s.job, s.step, s.generation, range(s.world_size), idle
+        )
         try:
             await self.catalog.mark_aborted(s.job, s.step, s.generation, reason)
+            if idle:
+                # No rank is writing: the files go before the answer, so the failure a rank
+                # raises finds its save's files (and the empty step directory) gone.
+                await asyncio.to_thread(remove)
         finally:
             # The ranks are told only now: were they told first, a coordinator dying here
             # would leave them with ABORTED while its restart (the reports are all durable)
             # commits the very same save.
             s.fail(reason, kind)
-        self._spawn(
-            asyncio.to_thread(
-                self._remove_files, s.job, s.step, s.generation, range(s.world_size), idle
-            )
-        )
+        if not idle:
+            self._spawn(asyncio.to_thread(remove))
 
     def _finish(self, s: Session) -> None:
         if self.sessions.get((s.job, s.step)) is s:
