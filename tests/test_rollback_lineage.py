@@ -167,6 +167,8 @@ def test_gc_follows_the_live_line_and_removes_an_abandoned_branch_on_request(
         cp.load({"w": torch.zeros(64)}, step=10)
         for step in (12, 14, 16):
             cp.save(state(step), step, blocking=True)
+        # The coordinator's "newest" is the live line's head too, not the highest step.
+        assert cp.client.get_checkpoint(cp.path).step == 16
     # By step order the newest two would be 16 and 20: gc would have retired 14, the line's.
     rc, out, err = ckptctl("gc", job, "--keep-last", "2", "--json")
     assert rc == 0, err

@@ -31,6 +31,7 @@ from typing import Any
 from ckptd.coordinator import observer as obs
 from ckptd.coordinator import planning, retention
 from ckptd.coordinator.catalog import Catalog, SaveRecord
+from ckptd.coordinator.queries import Queries
 from ckptd.coordinator.recovery import Recovery
 from ckptd.coordinator.session import (
     STEP_MISMATCH_GRACE_S,
@@ -48,9 +49,6 @@ from ckptd.coordinator.types import (
     COMMITTED,
     COMMITTING,
     OPEN,
-    QUARANTINED,
-    TIER_REMOVED,
-    TIER_STATUSES,
     BeginResult,
     SaveRef,
     ShardReport,
@@ -58,7 +56,6 @@ from ckptd.coordinator.types import (
 )
 from ckptd.errors import (
     CheckpointExists,
-    CheckpointNotFound,
     CkptError,
     InvalidRequest,
     SaveAborted,
@@ -80,7 +77,7 @@ MAX_FINISHED_SAVES = 256
 MAX_FINISHED_RANKS = 32_768
 
 
-class Coordinator(Recovery):
+class Coordinator(Recovery, Queries):
     """Transport-free coordinator over one storage root."""
 
     def __init__(
@@ -563,61 +560,6 @@ class Coordinator(Recovery):
             )
         return s.answer()
 
-    # -- catalog queries ---------------------------------------------------------------
-    def list_checkpoints(self, job: str) -> list[SaveRecord]:
-        return self.catalog.saves(self.job_name(job))
-
-    def get_checkpoint(self, job: str, step: int | None) -> SaveRecord:
-        name = self.job_name(job)
-        if step is not None:
-            _check_step(name, step)
-        if step is None:
-            committed = self.catalog.saves(name, COMMITTED)
-            if not committed:
-                raise CheckpointNotFound(f"job {name!r} has no committed checkpoint")
-            return committed[-1]
-        rec = self.catalog.save(name, step)
-        if rec is None:
-            raise CheckpointNotFound(f"job {name!r} has no step {step}")
-        return rec
-
-    async def quarantine(self, job: str, step: int, reason: str) -> SaveRecord:
-        """Mark a committed step QUARANTINED (a load found it corrupt); idempotent.
-
-        The marker in the step directory is written too when the loader could not (storage
-        is the truth: rebuild-catalog reads it back).
-        """
-        name = self.job_name(job)
-        _check_step(name, step)
-        rec = self.catalog.save(name, step)
-        if rec is None or rec.status not in (COMMITTED, QUARANTINED):
-            raise CheckpointNotFound(f"job {name!r} has no committed step {step} to quarantine")
-        st = self.storage(name)
-        reason = reason[:4000] or "quarantined"
-        if await asyncio.to_thread(ckfmt.quarantine_reason, st, step) is None:
-            await asyncio.to_thread(ckfmt.quarantine, st, step, reason)
-        if rec.status != QUARANTINED:
-            log.warning("job %s step %d quarantined: %s", name, step, reason)
-            self.observer.verification_failed(name, step, "load", reason)
-            await self.catalog.mark_quarantined(name, step, reason)
-        rec = self.catalog.save(name, step)
-        assert rec is not None
-        return rec
-
-    async def record_tier(
-        self, job: str, step: int, tier: str, url: str, status: str, reason: str = ""
-    ) -> None:
-        """Record what a tier (a mirror) holds of a step; status REMOVED deletes the record.
-
-        The client that copies a committed step to a mirror reports each transition
-        (UPLOADING, HELD, FAILED, REMOVED); storage stays the truth (a mirror's step is
-        committed when its manifest is there), this is the catalog's view for listing.
-        """
-        name = self.job_name(job)
-        if status != TIER_REMOVED and status not in TIER_STATUSES:
-            raise InvalidRequest(f"job {name!r} step {step}: unknown tier status {status!r}")
-        await self.catalog.record_tier(name, step, tier, url, status, reason)
-
     # -- aborts, leases, retention -----------------------------------------------------
     def _newest_generation(self, job: str) -> int | None:
         if job not in self._generations:
@@ -728,10 +670,3 @@ class Coordinator(Recovery):
         await retention.carry_out(
             self.catalog, st, job, plan, began=lambda step: (job, step) in self.sessions
         )
-
-
-def _check_step(job: str, step: int) -> None:
-    try:
-        layout.check_step(step)
-    except ValueError as e:
-        raise InvalidRequest(f"job {job!r}: {e}") from None
