@@ -49,6 +49,14 @@ SUITE = [
     "tests/test_coordinator_faults.py",
     "tests/test_coordinator_server.py",
     "tests/test_load_soak.py",
+    # issue 13: what users do (failing fast, job edges, the CLI as documented, exports,
+    # what a load restores)
+    "tests/test_fail_fast.py",
+    "tests/test_job_edges.py",
+    "tests/test_ckptctl.py",
+    "tests/test_cli_doc_walk.py",
+    "tests/test_export.py",
+    "tests/test_load_fidelity.py",
 ]
 LOAD_FAILURES = ("lost", "wrongly_committed", "unexpected_aborts")
 
