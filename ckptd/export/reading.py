@@ -45,13 +45,6 @@ class Tensor:
     nbytes: int
 
 
-def _component(k: object) -> str:
-    """A dict key as a path component, as the flatten names it before escaping."""
-    if isinstance(k, str):
-        return k
-    return str(k) if isinstance(k, int) and not isinstance(k, bool) else repr(k)
-
-
 def user_keys(state: object) -> dict[str, str]:
     """{stored entry key: the user's key} for every tensor the state tree refers to.
 
@@ -73,7 +66,7 @@ def user_keys(state: object) -> dict[str, str]:
         if tag in ("list", "tuple"):
             children = [(c, (*path, str(i))) for i, c in enumerate(body)]
         elif tag == "dict":
-            children = [(v, (*path, _component(values.decode_scalar(k)))) for k, v in body]
+            children = [(v, (*path, values.key_text(values.decode_scalar(k)))) for k, v in body]
         elif tag == "stateful":
             children = [(body, path)]
         elif tag == "per_rank":

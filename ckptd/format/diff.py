@@ -158,7 +158,9 @@ def _plain_values(node: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, 
             return
         if tag == "dict":
             for k, child in body:
-                yield from _plain_values(child, (*path, _component(values.decode_scalar(k))))
+                yield from _plain_values(
+                    child, (*path, values.key_component(values.decode_scalar(k)))
+                )
             return
         if tag == "stateful":
             yield from _plain_values(body, path)
@@ -168,12 +170,6 @@ def _plain_values(node: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, 
                 yield from _plain_values(child, (*path, f"@rank{r}"))
             return
     yield "/".join(path) or ".", node
-
-
-def _component(k: Any) -> str:
-    # The same escaping as the client's flatten, so value keys read like tensor keys.
-    s = k if isinstance(k, str) else (str(k) if type(k) is int else repr(k))
-    return s.replace("%", "%25").replace("/", "%2F")
 
 
 def _canon(node: Any) -> str:

@@ -52,6 +52,20 @@ _VIEW_FIELDS = frozenset(("storage", "offset", "stride"))
 _TAGS = frozenset(("float", "bytes", "list", "tuple", "dict", "stateful", "per_rank", *TENSOR_TAGS))
 
 
+def key_text(k: Any) -> str:
+    """A dict key as the user wrote it, as one path component: a string as it is, an int
+    in decimal, anything else (a bool, a float, a tuple) as its repr."""
+    if isinstance(k, str):
+        return k
+    return str(k) if isinstance(k, int) and not isinstance(k, bool) else repr(k)
+
+
+def key_component(k: Any) -> str:
+    """A dict key as one component of a stored key: key_text with '%' and '/' escaped (the
+    one rule the flatten names keys by, and every reader that maps keys back uses)."""
+    return key_text(k).replace("%", "%25").replace("/", "%2F")
+
+
 def encode_scalar(v: Any) -> Any:
     """JSON node for a scalar, or raise TypeError when `v` is not one."""
     if v is None or isinstance(v, (bool, str)):

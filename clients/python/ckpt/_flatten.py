@@ -82,16 +82,6 @@ class PerRank:
         return f"PerRank({self.value!r})"
 
 
-def escape(component: str) -> str:
-    return component.replace("%", "%25").replace("/", "%2F")
-
-
-def _component(k: Any) -> str:
-    if isinstance(k, str):
-        return escape(k)
-    return escape(repr(k) if not isinstance(k, int) or isinstance(k, bool) else str(k))
-
-
 def is_stateful(obj: Any) -> bool:
     if isinstance(obj, type):  # a class (nn.Linear) is not an object with state
         return False
@@ -227,7 +217,7 @@ class _Flattener:
                         f"state key {where!r}: dict key {k!r} of type {type(k).__name__} "
                         "cannot be stored; use str, int, float, bool, None or bytes keys"
                     ) from None
-                items.append([knode, self.walk(v, [*path, _component(k)], seen)])
+                items.append([knode, self.walk(v, [*path, values.key_component(k)], seen)])
             return {"dict": items}
         if isinstance(obj, (list, tuple)):
             seen = seen | {id(obj)}

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt._flatten import PerRank, _component, is_stateful, readable_in_place, tensor_bytes
+from ckpt._flatten import PerRank, is_stateful, readable_in_place, tensor_bytes
 from ckptd.errors import InvalidManifest, StateMismatch
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import dtypes, layout, values
@@ -179,7 +179,8 @@ class Planner:
             return self._wanted(body, path)
         if tag == "dict":
             return any(
-                self._wanted(v, _join(path, _component(values.decode_scalar(k)))) for k, v in body
+                self._wanted(v, _join(path, values.key_component(values.decode_scalar(k))))
+                for k, v in body
             )
         if tag in ("list", "tuple"):
             return any(self._wanted(c, _join(path, str(i))) for i, c in enumerate(body))
@@ -195,7 +196,8 @@ class Planner:
             return self._target_selected(value.value, _join(path, f"@rank{self.rank}"))
         if isinstance(value, MutableMapping):
             return any(
-                self._target_selected(v, _join(path, _component(k))) for k, v in value.items()
+                self._target_selected(v, _join(path, values.key_component(k)))
+                for k, v in value.items()
             )
         if isinstance(value, (list, tuple)):
             return any(self._target_selected(v, _join(path, str(i))) for i, v in enumerate(value))
@@ -260,11 +262,11 @@ class Planner:
             fill = not target  # an empty dict takes whatever the checkpoint holds
             for k in target:
                 if k not in saved:
-                    kpath = _join(path, _component(k))
+                    kpath = _join(path, values.key_component(k))
                     if self._target_selected(target[k], kpath):
                         self.missing.append(kpath)
             for k, v in saved.items():
-                kpath = _join(path, _component(k))
+                kpath = _join(path, values.key_component(k))
                 if not self._wanted(v, kpath):
                     continue
                 if k not in target and not fill and not self.strict:
@@ -275,9 +277,9 @@ class Planner:
                 self.mutations.append(functools.partial(target.__setitem__, k, value))
             return target
         return {
-            k: self.restore(v, None, _join(path, _component(k)))
+            k: self.restore(v, None, _join(path, values.key_component(k)))
             for k, v in saved.items()
-            if self._wanted(v, _join(path, _component(k)))
+            if self._wanted(v, _join(path, values.key_component(k)))
         }
 
     def _list(self, body: list[Any], target: Any, path: str) -> Any:

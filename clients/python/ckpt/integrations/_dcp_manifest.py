@@ -32,9 +32,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckpt._flatten import _component
 from ckptd.errors import InvalidManifest, UnsupportedValue
-from ckptd.format import dtypes, layout
+from ckptd.format import dtypes, layout, values
 from ckptd.format.checkpoint import OpenCheckpoint
 from ckptd.format.manifest import MAX_KEY_LEN
 
@@ -56,7 +55,7 @@ def path_of(fqn: str, planner_data: Any) -> Path:
 
 def key_of(path: Path) -> str:
     """The ckptd entry key of a path: what ckpt.save would name the same leaf."""
-    return "/".join(_component(c) for c in path) or "."
+    return "/".join(values.key_component(c) for c in path) or "."
 
 
 def build_tree(leaves: Iterable[tuple[Path, Any]], where: str) -> Any:
