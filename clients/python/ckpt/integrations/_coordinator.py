@@ -28,9 +28,8 @@ class Connection:
 
 _lock = threading.Lock()
 _connections: dict[tuple[str, str | None, str | None, str], Connection] = {}
-# One embedded coordinator per job: every attempt of the job in this process talks to it,
-# so a newer attempt's generation fences an older one's saves (two coordinators over one
-# catalog would each believe their own newest generation).
+# This module's handle on each job's embedded coordinator (ckpt._embedded shares one per job
+# and process, stopped when its last handle closes): held so that later saves reuse it.
 _embedded: dict[str, EmbeddedCoordinator] = {}
 _at_exit = False
 
