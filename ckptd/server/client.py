@@ -121,12 +121,13 @@ class CoordinatorClient:
                 details = e.details() or str(code)
                 # The window opens at the first failure: a barrier wait of minutes that the
                 # coordinator's death cut short gets the whole window to find it again.
-                if code in RETRYABLE and give_up is None:
-                    give_up = time.monotonic() + self.retry_window_s()
-                if code in RETRYABLE and give_up is not None and time.monotonic() + delay < give_up:
-                    time.sleep(delay * (0.5 + random.random()))  # noqa: S311 - jitter, not crypto
-                    delay = min(delay * 2, 2.0)
-                    continue
+                if code in RETRYABLE:
+                    if give_up is None:
+                        give_up = time.monotonic() + self.retry_window_s()
+                    if time.monotonic() + delay < give_up:
+                        time.sleep(delay * (0.5 + random.random()))  # noqa: S311 - jitter
+                        delay = min(delay * 2, 2.0)
+                        continue
                 if code in RETRYABLE or code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise self.unavailable(what, f"{code.name}: {details}") from None
                 self.reached = True  # it answered, with an error of its own
