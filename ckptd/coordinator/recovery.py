@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Iterable
 
 from ckptd.coordinator import retention, session
 from ckptd.coordinator.catalog import Catalog, SaveRecord
@@ -38,6 +39,11 @@ class Recovery:
     def _found_storage(self, job: str) -> Storage | None:
         raise NotImplementedError
 
+    def _remove_files(
+        self, job: str, step: int, generation: int, ranks: Iterable[int], idle: bool = False
+    ) -> None:
+        raise NotImplementedError
+
     async def recover(self) -> None:
         """Finish or abort what a previous life of the coordinator left open."""
         if self.catalog.created:
@@ -58,7 +64,9 @@ class Recovery:
                 )
             else:
                 await self.catalog.mark_aborted(rec.job, rec.step, rec.generation, reason)
-                await asyncio.to_thread(self._remove_aborted, rec)
+                await asyncio.to_thread(
+                    self._remove_files, rec.job, rec.step, rec.generation, range(rec.world_size)
+                )
             log.warning("recovered job %s step %d: %s %s", rec.job, rec.step, status, reason)
         await self._finish_retention()
 
@@ -80,11 +88,6 @@ class Recovery:
                 log.warning(
                     "job %s step %d: could not finish an interrupted retention: %s", job, step, e
                 )
-
-    def _remove_aborted(self, rec: SaveRecord) -> None:
-        session.remove_generation_files(
-            self.storage(rec.job), rec.step, rec.generation, rec.world_size
-        )
 
     def _recover_one(self, rec: SaveRecord) -> tuple[str, str, str, int]:
         """(status, reason, manifest blake3, bytes) of a save a previous life left open."""

@@ -270,12 +270,6 @@ def remove_empty_step(st: Storage, step: int) -> None:
         log.warning("could not remove the empty step directory %s/%s: %s", st.url, sdir, e)
 
 
-def remove_generation_files(st: Storage, step: int, generation: int, world_size: int) -> None:
-    """Remove every rank's files of an aborted save (`remove_rank_files`)."""
-    for r in range(world_size):
-        remove_rank_files(st, step, generation, r)
-
-
 # How long two saves that cannot both complete may coexist before both are aborted. A
 # Checkpointer has one save in flight per rank, but the DCP integration's async saves can
 # overlap: two saves' BeginSave threads, all ranks' in one process, may briefly arrive so
