@@ -29,6 +29,7 @@ import numpy as np
 
 from ckptd import knobs
 from ckptd.errors import CheckpointExists, InvalidManifest, ShardMissing, StorageError
+from ckptd.storage import counters
 from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
 from ckptd.storage.paths import check_relative
 
@@ -49,6 +50,7 @@ class FsspecWriteHandle(WriteHandle):
     def finish(self) -> None:
         try:
             self._storage.upload(self.path, self._data)
+            counters.wrote(len(self._data))
         finally:
             self.abort()
 
@@ -71,6 +73,7 @@ class FsspecReadHandle(ReadHandle):
             raise StorageError(
                 f"read of {self._storage.url}/{self.path} at offset {offset} failed: {e}"
             ) from e
+        counters.read(len(data))
         if len(data) != length:
             raise StorageError(
                 f"short read of {self._storage.url}/{self.path} at offset {offset}: "
@@ -148,6 +151,8 @@ class FsspecStorage(Storage):
                 [self.full(rp) for _, rp in pairs],
                 **self._upload_options(largest),
             )
+            for lp, _ in pairs:
+                counters.wrote(os.path.getsize(lp))
         except OSError as e:
             raise StorageError(
                 f"bulk upload of {len(pairs)} files to {self.url} failed: {e}"
@@ -174,6 +179,7 @@ class FsspecStorage(Storage):
 
     def write_atomic(self, path: str, data: bytes) -> None:
         full = self.full(path)
+        counters.wrote_small(len(data))
         if self.object_store:
             self.upload(path, data)  # one PUT: atomic on an object store
             return
@@ -191,6 +197,7 @@ class FsspecStorage(Storage):
             if before_publish is not None:
                 before_publish()  # one PUT: nothing is staged before it
             self.upload(path, data, create_only=True)
+            counters.wrote_small(len(data))
             return
         # Others (gs://...): check, then write (racy).
         super().create_only(path, data, before_publish=before_publish)
@@ -203,6 +210,7 @@ class FsspecStorage(Storage):
                 "refusing to read it"
             )
         data: bytes = self.fs.cat_file(self.full(path))
+        counters.read_small(len(data))
         return data
 
     def size(self, path: str) -> int:

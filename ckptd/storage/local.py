@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ckptd.errors import CheckpointExists, InvalidManifest, ShardMissing, StorageError, UnsafePath
+from ckptd.storage import counters
 from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
 from ckptd.storage.location import local_dir
 from ckptd.storage.paths import check_relative
@@ -218,6 +219,7 @@ class LocalWriteHandle(WriteHandle):
         while done < n:
             try:
                 w = os.pwrite(self._fd, memoryview(buf)[done:n], offset + done)  # type: ignore[arg-type]
+                counters.wrote(max(w, 0))
             except OSError as e:
                 # Some filesystems accept O_DIRECT at open and refuse it at write.
                 if e.errno != errno.EINVAL or done:
@@ -265,6 +267,7 @@ class LocalWriteHandle(WriteHandle):
         done = 0
         while done < total:
             n = os.pwritev(self._fd, views, offset + done)
+            counters.wrote(max(n, 0))
             if n <= 0:
                 raise OSError(errno.EIO, f"short write: {done} of {total} bytes")
             done += n
@@ -344,12 +347,14 @@ class LocalReadHandle(ReadHandle):
                         raise
                     self._reopen_buffered()
                     return self.read(offset, length)
+                counters.read(got)
                 head = offset - start
                 if got < head + length:
                     raise OSError(errno.EIO, f"short read at {offset}: file ends early")
                 return buf[head : head + length]
             buf = _bounce.get(length)
             got = os.preadv(self._fd, [buf], offset)  # type: ignore[list-item]
+            counters.read(got)
             if got < length:
                 raise OSError(errno.EIO, f"short read at {offset}: {got} of {length} bytes")
             return buf
@@ -473,6 +478,7 @@ class LocalStorage(Storage):
         full = self.full(path)
         try:
             write_atomic(full, data)
+            counters.wrote_small(len(data))
         except OSError as e:
             raise self.io_error("write", path, e) from e
 
@@ -485,6 +491,7 @@ class LocalStorage(Storage):
         full = self.full(path)
         try:
             write_atomic(full, data, before_publish=before_publish)
+            counters.wrote_small(len(data))
         except OSError as e:
             raise self.io_error("write", path, e) from e
 
@@ -504,6 +511,7 @@ class LocalStorage(Storage):
                 os.close(fd)
         except OSError as e:
             raise self.io_error("read", path, e) from e
+        counters.read_small(len(data))
         if len(data) > limit:
             raise InvalidManifest(f"{full} grew over the {limit}-byte limit while being read")
         return data
