@@ -61,6 +61,10 @@ class InvalidManifest(CorruptCheckpoint, ValueError):
     pass
 
 
+class PeerReadFailed(CorruptCheckpoint):
+    """Another rank, reading this copy for the whole job, found it corrupt or unreadable."""
+
+
 class UnsafePath(CkptError, PermissionError):
     pass
 

@@ -67,6 +67,12 @@ class Knobs:
     # `upload_concurrency` parts in flight per shard. S3's smallest part is 5 MiB.
     upload_part_size: int = 32 << 20
     upload_concurrency: int = 8
+    # Loads under a process group: each stored byte is read by one rank and sent to the
+    # ranks that need it (ckpt._shared_read), in windows of at most this many bytes in
+    # flight per rank; the receivers re-check the blocks they get against the index.
+    shared_read: bool = True
+    shared_window: int = 256 << 20
+    verify_received: bool = True
 
 
 def _from_env() -> Knobs:
@@ -86,6 +92,9 @@ def _from_env() -> Knobs:
         max_entries_per_shard=_env_int("CKPT_MAX_ENTRIES_PER_SHARD", d.max_entries_per_shard),
         upload_part_size=_env_int("CKPT_UPLOAD_PART_SIZE", d.upload_part_size),
         upload_concurrency=_env_int("CKPT_UPLOAD_CONCURRENCY", d.upload_concurrency),
+        shared_read=_env_bool("CKPT_SHARED_READ", d.shared_read),
+        shared_window=_env_int("CKPT_SHARED_WINDOW", d.shared_window),
+        verify_received=_env_bool("CKPT_VERIFY_RECEIVED", d.verify_received),
     )
 
 

@@ -93,7 +93,8 @@ def test_damage_seen_by_one_rank_makes_every_rank_fall_back(
     shutil.copytree(src, job)
     step = job / "step-000000000020"
     manifest = json.loads((step / "MANIFEST.json").read_text())
-    # Rows 12.. were saved by rank 3; at 2 ranks only rank 1 reads them.
+    # Rows 12.. were saved by rank 3; at 2 ranks only rank 1 needs them, and one rank reads
+    # them for both (shared reads): that rank finds the damage, the other hears of it.
     [(shard, entry)] = [
         (s, e)
         for s in manifest["shards"]
@@ -104,8 +105,9 @@ def test_damage_seen_by_one_rank_makes_every_rank_fall_back(
     results = spawn(2, "load-fallback", job, out)
     for r in results:
         assert r["result"]["step"] == 10 and r["result"]["fell_back_from"] == 20
-    assert "rows" in results[1]["result"]["fallback_reason"]
-    assert shard["path"].split("/")[-1] in results[1]["result"]["fallback_reason"]
-    assert "another rank" in results[0]["result"]["fallback_reason"]
+    reasons = [r["result"]["fallback_reason"] for r in results]
+    for reason in reasons:
+        assert "rows" in reason and shard["path"].split("/")[-1] in reason
+    assert sum("another rank" in reason for reason in reasons) == 1
     marker = json.loads((step / "QUARANTINED.json").read_text())
     assert "rows" in marker["reason"] and marker["step"] == 20

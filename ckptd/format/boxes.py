@@ -2,8 +2,8 @@
 
 A `BoxRead` asks for the box [offsets, offsets+sizes) of one key's global tensor, to be
 written C-contiguous into a byte buffer. `plan_box` finds the saved chunks that overlap
-it (and proves they cover it exactly once); `read_boxes` groups the overlaps by shard
-file, reads the hash blocks that cover them (ckptd.format.reader: parallel, each block
+it (and proves they cover it exactly once); `plan_boxes` groups the overlaps by shard
+file, and `read_planned` (`read_boxes` does both) reads the hash blocks that cover them (ckptd.format.reader: parallel, each block
 verified before use) and copies every overlap from the I/O buffer into its destination
 (ckptd.format.reshard). The client's load (ckpt._restore) and `ckptctl restore` both
 read through here; neither knows about blocks or shards.
@@ -92,6 +92,82 @@ def plan_box(
     return out
 
 
+@dataclasses.dataclass
+class ShardReads:
+    """What a set of boxes needs from one shard file: its reads and where each one goes."""
+
+    shard: int  # position of the shard in the manifest
+    path: str  # the shard file, relative to the job directory
+    reads: list[EntryRead]
+    sinks: list[Callable[[int, np.ndarray], Any]]  # (byte offset in the entry, verified bytes)
+
+
+@dataclasses.dataclass
+class BoxPlan:
+    """Every shard read a set of boxes needs, by shard file, and the bytes they read."""
+
+    shards: list[ShardReads]
+    bytes: int  # whole hash blocks
+
+
+def plan_boxes(ck: OpenCheckpoint, boxes: Sequence[BoxRead]) -> BoxPlan:
+    """The reads of every box, grouped by shard file; touches no tensor byte."""
+    block = ck.manifest.block_size
+    position = {id(s): i for i, s in enumerate(ck.manifest.shards)}
+    per_shard: dict[str, ShardReads] = {}
+    total = 0
+    for box in boxes:
+        entry = saved_entry(ck, box.key)
+        need = math.prod(box.sizes) * dtypes.itemsize(entry.dtype)
+        if box.out.dtype != np.uint8 or box.out.nbytes != need:
+            raise ValueError(f"key {box.key!r}: the buffer for the box must be {need} bytes")
+        for chunk, ov in plan_box(ck, box.key, box.offsets, box.sizes):
+            path = ck.shard_path(chunk.shard)
+            reads = per_shard.get(path)
+            if reads is None:
+                reads = per_shard[path] = ShardReads(position[id(chunk.shard)], path, [], [])
+            ranges = None if ov.whole else ov.ranges(block)
+            reads.reads.append(EntryRead(chunk.entry, ranges))
+            reads.sinks.append(functools.partial(ov.copy, box.out))
+            for b in covering_blocks(chunk.entry.length, block, ranges):
+                total += min(block, chunk.entry.length - b * block)
+    return BoxPlan(sorted(per_shard.values(), key=lambda r: r.shard), total)
+
+
+def read_planned(
+    ck: OpenCheckpoint,
+    plan: BoxPlan,
+    *,
+    threads: int | None = None,
+    cold: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Read every shard read of the plan from storage, verified; the bytes read."""
+    block = ck.manifest.block_size
+
+    def load_shard(sr: ShardReads) -> None:
+        def sink(i: int, start: int, data: np.ndarray) -> None:
+            sr.sinks[i](start, data)
+
+        read_entries(
+            ck.storage,
+            sr.path,
+            sr.reads,
+            block,
+            sink=sink,
+            threads=threads,
+            cold=cold,
+            progress=progress,
+        )
+
+    if len(plan.shards) == 1:
+        load_shard(plan.shards[0])
+    elif plan.shards:
+        with ThreadPoolExecutor(min(4, len(plan.shards))) as pool:
+            list(pool.map(load_shard, plan.shards))
+    return plan.bytes
+
+
 def read_boxes(
     ck: OpenCheckpoint,
     boxes: Sequence[BoxRead],
@@ -101,43 +177,4 @@ def read_boxes(
     progress: Callable[[int], None] | None = None,
 ) -> int:
     """Read every box, verified; returns the bytes read from storage (whole blocks)."""
-    block = ck.manifest.block_size
-    per_shard: dict[str, tuple[list[EntryRead], list[Callable[[int, np.ndarray], Any]]]] = {}
-    total = 0
-    for box in boxes:
-        entry = saved_entry(ck, box.key)
-        need = math.prod(box.sizes) * dtypes.itemsize(entry.dtype)
-        if box.out.dtype != np.uint8 or box.out.nbytes != need:
-            raise ValueError(f"key {box.key!r}: the buffer for the box must be {need} bytes")
-        for chunk, ov in plan_box(ck, box.key, box.offsets, box.sizes):
-            path = ck.shard_path(chunk.shard)
-            reads, sinks = per_shard.setdefault(path, ([], []))
-            ranges = None if ov.whole else ov.ranges(block)
-            reads.append(EntryRead(chunk.entry, ranges))
-            sinks.append(functools.partial(ov.copy, box.out))
-            for b in covering_blocks(chunk.entry.length, block, ranges):
-                total += min(block, chunk.entry.length - b * block)
-
-    def load_shard(path: str) -> None:
-        reads, sinks = per_shard[path]
-
-        def sink(i: int, start: int, data: np.ndarray) -> None:
-            sinks[i](start, data)
-
-        read_entries(
-            ck.storage,
-            path,
-            reads,
-            block,
-            sink=sink,
-            threads=threads,
-            cold=cold,
-            progress=progress,
-        )
-
-    if len(per_shard) == 1:
-        load_shard(next(iter(per_shard)))
-    elif per_shard:
-        with ThreadPoolExecutor(min(4, len(per_shard))) as pool:
-            list(pool.map(load_shard, per_shard))
-    return total
+    return read_planned(ck, plan_boxes(ck, boxes), threads=threads, cold=cold, progress=progress)

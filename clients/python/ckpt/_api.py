@@ -177,6 +177,7 @@ def load(
     cast: bool = False,
     fallback: bool = True,
     io_threads: int | None = None,
+    read: str = "auto",
 ) -> LoadResult:
     """Load step `step` (default: the newest committed) into `state`, in place.
 
@@ -190,6 +191,10 @@ def load(
     and unexpected keys are reported in the result instead of raising. cast=True: load
     into tensors of another dtype. fallback (no explicit step): when the newest step fails
     verification, quarantine it and load the previous one (see docs/restore.md).
+    read: under a process group, "auto" reads each stored byte once for the whole job and
+    sends it to the ranks that need it when the load chooses its step (every rank calls
+    it then); "shared" does so for an explicit step too (every rank must call it);
+    "each" has every rank read what it needs itself (docs/restore.md, Shared reads).
     """
     return load_from_tiers(
         [("local", open_storage(path))],
@@ -201,4 +206,5 @@ def load(
         fallback=fallback,
         rank=_world.rank_and_world()[0],
         threads=io_threads,
+        read=read,
     )

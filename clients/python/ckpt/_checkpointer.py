@@ -390,14 +390,16 @@ class Checkpointer:
         keys: str | list[str] | None = None,
         cast: bool = False,
         fallback: bool = True,
+        read: str = "auto",
     ) -> LoadResult:
         """Load `step` (default: the head of the job's live line) into `state` on this
         rank, verified; the next save descends from the step loaded (a rollback when it is
         an older one: docs/concepts.md, Rollbacks and the live line).
 
         Reshards to this rank's DTensor placements whatever the world size at save time;
-        keys/strict/cast/fallback as in ckpt.load. With fallback and no explicit step,
-        every rank of an initialized process group must call this (they agree on the step).
+        keys/strict/cast/fallback/read as in ckpt.load. With fallback and no explicit step
+        (or read="shared"), every rank of an initialized process group must call this (they
+        agree on the step, and each stored byte is read by one of them).
         """
         self._check_open()
         res = load_from_tiers(
@@ -411,6 +413,7 @@ class Checkpointer:
             rank=self.rank,
             on_quarantine=self._tier_quarantined,
             catalog_blake3=self._catalog_blake3,
+            read=read,
         )
         self._parent = self._parent_before = res.step
         return res

@@ -32,21 +32,27 @@ from one storage is ckpt._restore's; this module decides around it:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ckpt import _shared_read as _shared
 from ckpt._agree import agree_max, agree_min
-from ckpt._restore import LoadResult, restore_step
-from ckptd.errors import CheckpointNotFound, CkptError, CorruptCheckpoint
+from ckpt._restore import LoadResult, PreparedStep, Reads, prepare_step
+from ckptd.errors import CheckpointNotFound, CkptError, CorruptCheckpoint, PeerReadFailed
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout
+from ckptd.format.boxes import BoxPlan, read_planned
+from ckptd.format.checkpoint import OpenCheckpoint
 from ckptd.storage.base import Storage
 
 log = logging.getLogger("ckpt")
 
 Tier = tuple[str, Storage]  # (name, storage), nearest first
+
+READ_MODES = ("auto", "shared", "each")
 
 # A rank's outcome for one step, agreed as the largest over the ranks.
 _OK, _NEXT, _FAILED = 0, 1, 2
@@ -173,6 +179,7 @@ def load_from_tiers(
     threads: int | None = None,
     on_quarantine: Callable[[str, int, str], None] | None = None,
     catalog_blake3: Callable[[int], str | None] | None = None,
+    read: str = "auto",
 ) -> LoadResult:
     """Load `step` (default: the live line's head) into `state` from the nearest tier that
     holds a copy that verifies; the policy is the module docstring's.
@@ -182,9 +189,14 @@ def load_from_tiers(
     call this. catalog_blake3(step): the manifest digest the coordinator's catalog recorded
     at commit (None: storage alone is trusted); a manifest that differs is damage, in any
     tier (a mirror's manifest is the same bytes as the local one).
+    read: "auto" (shared when the load chooses its step under a process group), "shared"
+    (every rank of the process group must call this, also with an explicit step) or
+    "each" (every rank reads what it needs from storage itself).
     """
     if not tiers:
         raise ValueError("load_from_tiers needs at least one (name, Storage) tier")
+    if read not in READ_MODES:
+        raise ValueError(f"read must be one of {', '.join(READ_MODES)}, got {read!r}")
     t0 = time.perf_counter()
     choose = step is None and fallback
     # An explicit step is asked of every tier: nothing to list.
@@ -217,26 +229,31 @@ def load_from_tiers(
             "step is committed in every rank's view (another rank sees none of them; see "
             "its log). Nothing was loaded; check that every rank reaches the same storage"
         )
+    peers = _shared.Peers.current() if read == "shared" or (read == "auto" and choose) else None
+
+    def prepare(st: Storage, s: int) -> PreparedStep:
+        return prepare_step(
+            st,
+            state,
+            s,
+            strict=strict,
+            keys=keys,
+            cast=cast,
+            rank=rank,
+            manifest_blake3=catalog_blake3(s) if catalog_blake3 is not None else None,
+        )
+
     failures: list[_Failure] = []
     while True:
-        res, mine = _try_step(
+        res, mine = (_try_step if peers is None else _try_step_shared)(
             tiers,
             held,
             at,
             explicit=step is not None,
             quarantine=choose,
             on_quarantine=on_quarantine,
-            restore=lambda st, s: restore_step(
-                st,
-                state,
-                s,
-                strict=strict,
-                keys=keys,
-                cast=cast,
-                rank=rank,
-                threads=threads,
-                manifest_blake3=catalog_blake3(s) if catalog_blake3 is not None else None,
-            ),
+            prepare=prepare,
+            reader=_Reader(peers, threads),
             rank=rank,
         )
         code = _OK if res is not None else _FAILED if _hard(mine) is not None else _NEXT
@@ -285,7 +302,8 @@ def _try_step(
     explicit: bool,
     quarantine: bool,
     on_quarantine: Callable[[str, int, str], None] | None,
-    restore: Callable[[Storage, int], LoadResult],
+    prepare: Callable[[Storage, int], PreparedStep],
+    reader: _Reader,
     rank: int,
 ) -> tuple[LoadResult | None, list[_Failure]]:
     """This rank's copies of step `at`, nearest first, until one loads (no collective).
@@ -297,34 +315,148 @@ def _try_step(
     for name, st in tiers:
         if not explicit and name not in held.get(at, []):
             continue
-        where = f"of {st.url}" if len(tiers) == 1 else f"in the {name} tier ({st.url})"
         try:
-            return restore(st, at), failures
-        except CorruptCheckpoint as e:
-            # A read the device refused (EIO, a vanished mount) surfaces as damage caused
-            # by an OSError: maybe transient, so it is skipped, never quarantined.
-            damaged = not isinstance(e.__cause__, OSError)
-            error: BaseException = e
-        except OSError as e:  # CheckpointNotFound, StorageError: not there, or unreachable
-            damaged, error = False, e
+            return prepare(st, at).read(reader.alone()), failures
         except BaseException as e:  # noqa: BLE001 - the caller raises it once the ranks agree
-            failures.append(_Failure(at, where, f"rank {rank}: {e}", e))
-            return None, failures
-        reason = f"rank {rank}: {error}"
-        marked = damaged and quarantine and _quarantine(name, st, at, reason, on_quarantine)
-        failures.append(_Failure(at, where, reason, error, marked))
-        log.error(
-            "CHECKPOINT STEP %d %s %s: %s",
-            at,
-            where,
-            "FAILED VERIFICATION AND IS QUARANTINED"
-            if marked
-            else "FAILED VERIFICATION"
-            if damaged
-            else "COULD NOT BE READ; not quarantined",
-            reason,
-        )
+            if _failed(failures, tiers, name, st, at, e, quarantine, on_quarantine, rank):
+                return None, failures
     return None, failures
+
+
+def _try_step_shared(
+    tiers: Sequence[Tier],
+    held: dict[int, list[str]],
+    at: int,
+    *,
+    explicit: bool,
+    quarantine: bool,
+    on_quarantine: Callable[[str, int, str], None] | None,
+    prepare: Callable[[Storage, int], PreparedStep],
+    reader: _Reader,
+    rank: int,
+) -> tuple[LoadResult | None, list[_Failure]]:
+    """_try_step, with the ranks in step: every tier's copy is tried by every rank at once,
+    so that a copy every rank planned is read once for the job (ckpt._shared_read).
+
+    Each rank announces, for every tier in order, whether it will read that copy; the
+    ranks read it together when all announce the same copy, else each ready rank reads it
+    alone. A rank that has loaded (or failed hard) announces "skip" for the rest; the loop
+    ends when every rank has loaded or failed hard, or the tiers run out, so every rank
+    makes the same collectives.
+    """
+    peers = reader.peers
+    assert peers is not None
+    failures: list[_Failure] = []
+    res: LoadResult | None = None
+    done = False  # loaded, or failed hard: skips the remaining copies
+    for name, st in tiers:
+        prepared: PreparedStep | None = None
+        if not done and (explicit or name in held.get(at, [])):
+            try:
+                prepared = prepare(st, at)
+            except BaseException as e:  # noqa: BLE001 - raised by the caller once agreed
+                done = _failed(failures, tiers, name, st, at, e, quarantine, on_quarantine, rank)
+        said = _shared.announce(
+            peers,
+            _shared.Announce("skip")
+            if prepared is None
+            else _shared.Announce(
+                "ready",
+                _shared.copy_identity(prepared.ckpt),
+                _shared.needs_of(prepared.planner.box_plan(), prepared.ckpt.manifest.block_size),
+            ),
+        )
+        together = _shared.all_ready(peers, said)
+        if prepared is not None:
+            try:
+                res = prepared.read(reader.together(said) if together else reader.alone())
+                done = True
+            except BaseException as e:  # noqa: BLE001 - raised by the caller once agreed
+                done = _failed(failures, tiers, name, st, at, e, quarantine, on_quarantine, rank)
+        elif together:  # unreachable: a rank that did not plan announces "skip"
+            raise AssertionError("a shared read without a plan")
+        if peers.all_max(0 if done else 1) == 0:
+            break
+    return res, failures
+
+
+def _failed(
+    failures: list[_Failure],
+    tiers: Sequence[Tier],
+    name: str,
+    st: Storage,
+    at: int,
+    e: BaseException,
+    quarantine: bool,
+    on_quarantine: Callable[[str, int, str], None] | None,
+    rank: int,
+) -> bool:
+    """Record a copy that failed (quarantined when damaged and the load may mark it);
+    returns whether the failure is hard (ends the step for this rank)."""
+    where = f"of {st.url}" if len(tiers) == 1 else f"in the {name} tier ({st.url})"
+    if isinstance(e, CorruptCheckpoint):
+        # A read the device refused (EIO, a vanished mount) surfaces as damage caused
+        # by an OSError: maybe transient, so it is skipped, never quarantined. Damage
+        # another rank found is marked by that rank.
+        damaged = not isinstance(e.__cause__, OSError) and not isinstance(e, PeerReadFailed)
+    elif isinstance(e, OSError):  # CheckpointNotFound, StorageError: not there, unreachable
+        damaged = False
+    else:
+        failures.append(_Failure(at, where, f"rank {rank}: {e}", e))
+        return True
+    reason = f"rank {rank}: {e}"
+    marked = damaged and quarantine and _quarantine(name, st, at, reason, on_quarantine)
+    failures.append(_Failure(at, where, reason, e, marked))
+    log.error(
+        "CHECKPOINT STEP %d %s %s: %s",
+        at,
+        where,
+        "FAILED VERIFICATION AND IS QUARANTINED"
+        if marked
+        else "FAILED VERIFICATION"
+        if damaged
+        else "COULD NOT BE READ; not quarantined",
+        reason,
+    )
+    return False
+
+
+@dataclasses.dataclass
+class _Reader:
+    """How a planned copy is read: by this rank alone, or with its peers."""
+
+    peers: _shared.Peers | None
+    threads: int | None
+
+    def alone(self) -> Reads:
+        return functools.partial(_read_alone, threads=self.threads)
+
+    def together(self, said: Sequence[_shared.Announce]) -> Reads:
+        assert self.peers is not None
+        return functools.partial(_read_together, self.peers, said, threads=self.threads)
+
+
+def _read_alone(ck: OpenCheckpoint, plan: BoxPlan, *, threads: int | None) -> int:
+    return read_planned(ck, plan, threads=threads)
+
+
+def _read_together(
+    peers: _shared.Peers,
+    said: Sequence[_shared.Announce],
+    ck: OpenCheckpoint,
+    plan: BoxPlan,
+    *,
+    threads: int | None,
+) -> int:
+    stats = _shared.read_shared(ck, plan, peers, said, threads=threads)
+    log.debug(
+        "step %d: read %d bytes for the job, received %d, sent %d",
+        ck.step,
+        stats.read_bytes,
+        stats.received_bytes,
+        stats.sent_bytes,
+    )
+    return stats.read_bytes
 
 
 def _hard(failures: list[_Failure]) -> BaseException | None:

@@ -17,8 +17,10 @@ where the tree says so: requires_grad, an nn.Parameter, and views of one storage
 over one buffer (values.view_groups) so that they share memory again. Loads into the
 target's own tensors keep the target's tensors as they are and ignore all of that.
 
-`restore_step` restores one step from one storage. The policy around it (which step,
-which tier's copy, what a failure means, the ranks agreeing) is ckpt._load's.
+`prepare_step` opens and plans one step of one storage; its `read` reads it, this rank
+alone or through a shared read (ckpt._shared_read). The policy around it (which step,
+which tier's copy, who reads what, what a failure means, the ranks agreeing) is
+ckpt._load's.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ckpt._flatten import PerRank, is_stateful, readable_in_place, tensor_bytes
 from ckptd.errors import InvalidManifest, StateMismatch
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import dtypes, layout, values
-from ckptd.format.boxes import BoxRead, read_boxes, saved_entry
+from ckptd.format.boxes import BoxPlan, BoxRead, plan_boxes, read_planned, saved_entry
 from ckptd.format.checkpoint import OpenCheckpoint
 from ckptd.format.manifest import IndexEntry
 from ckptd.storage.base import Storage
@@ -488,17 +490,23 @@ class Planner:
                 "checkpoint; nothing was loaded:\n  " + "\n  ".join(lines)
             )
 
-    def _read_dests(self, dests: Sequence[_Dest], threads: int | None = None) -> int:
-        """Read, verify and copy every wanted box of `dests`; returns bytes read."""
-        return read_boxes(
+    def _read_dests(self, dests: Sequence[_Dest]) -> int:
+        """Read a few boxes now, this rank alone (a numpy scalar's bytes, while planning)."""
+        return read_planned(
             self.ckpt,
-            [BoxRead(d.key, d.offsets, d.sizes, d.bytes) for d in dests],
-            threads=threads,
+            plan_boxes(self.ckpt, [BoxRead(d.key, d.offsets, d.sizes, d.bytes) for d in dests]),
         )
 
-    def read(self, threads: int | None = None) -> int:
-        """Read every planned key, verified; apply the state changes; returns bytes read."""
-        total = self._read_dests(list(self.dests.values()), threads)
+    def box_plan(self) -> BoxPlan:
+        """The shard reads of every planned key (what a shared read announces)."""
+        return plan_boxes(
+            self.ckpt, [BoxRead(d.key, d.offsets, d.sizes, d.bytes) for d in self.dests.values()]
+        )
+
+    def read(self, reads: Callable[[BoxPlan], int]) -> int:
+        """Fill every planned key through `reads` (which reads, verifies and copies the
+        plan's boxes, returning the bytes it read); apply the state changes."""
+        total = reads(self.box_plan())
         for fn in self.mutations:
             fn()
         for fn in self.after_read:
@@ -511,7 +519,43 @@ class Planner:
 # ------------------------------------------------------------------------ one step
 
 
-def restore_step(
+# Reads, verifies and copies a plan's boxes from a step; returns the bytes it read.
+Reads = Callable[[OpenCheckpoint, BoxPlan], int]
+
+
+def _read_alone(ck: OpenCheckpoint, plan: BoxPlan) -> int:
+    return read_planned(ck, plan)
+
+
+@dataclasses.dataclass
+class PreparedStep:
+    """A step opened and planned against a state; nothing read yet."""
+
+    storage: Storage
+    ckpt: OpenCheckpoint
+    planner: Planner
+    restored: Any
+    t0: float
+
+    def read(self, reads: Reads | None = None) -> LoadResult:
+        """Read it (this rank alone from storage, or through `reads`); the LoadResult."""
+        ck, planner = self.ckpt, self.planner
+        how = reads or _read_alone
+        nbytes = planner.read(lambda plan: how(ck, plan))
+        return LoadResult(
+            step=ck.step,
+            path=f"{self.storage.url}/{layout.step_dir(ck.step)}",
+            bytes=nbytes,
+            seconds=time.perf_counter() - self.t0,
+            tensors=len(planner.dests),
+            metadata=ck.manifest.metadata,
+            state=self.restored,
+            missing_keys=list(planner.missing),
+            unexpected_keys=list(planner.unexpected),
+        )
+
+
+def prepare_step(
     storage: Storage,
     state: Any,
     step: int,
@@ -520,29 +564,18 @@ def restore_step(
     keys: str | Sequence[str] | None = None,
     cast: bool = False,
     rank: int = 0,
-    threads: int | None = None,
     manifest_blake3: str | None = None,
-) -> LoadResult:
-    """Open `step` of `storage` (markers are not consulted), plan `state` against it, read it.
+) -> PreparedStep:
+    """Open `step` of `storage` (markers are not consulted) and plan `state` against it.
 
     manifest_blake3: the digest the coordinator's catalog recorded at commit (None: storage
     alone is trusted); a manifest that differs is CorruptCheckpoint. Which step to load,
-    from which tier, and what a failure means is the load policy's (ckpt._load).
+    from which tier, who reads what, and what a failure means is the load policy's
+    (ckpt._load).
     """
     t0 = time.perf_counter()
     ck = ckfmt.open_checkpoint(storage, layout.check_step(step), manifest_blake3=manifest_blake3)
     planner = Planner(ck, strict=strict, rank=rank, keys=keys, cast=cast)
     restored = planner.restore(ck.manifest.state, state, "")
     planner.check()
-    nbytes = planner.read(threads=threads)
-    return LoadResult(
-        step=ck.step,
-        path=f"{storage.url}/{layout.step_dir(ck.step)}",
-        bytes=nbytes,
-        seconds=time.perf_counter() - t0,
-        tensors=len(planner.dests),
-        metadata=ck.manifest.metadata,
-        state=restored,
-        missing_keys=list(planner.missing),
-        unexpected_keys=list(planner.unexpected),
-    )
+    return PreparedStep(storage, ck, planner, restored, t0)
