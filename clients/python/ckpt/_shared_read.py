@@ -6,7 +6,8 @@ inputs every rank computes the same assignment: the needed blocks are cut into p
 (consecutive blocks of one entry that the same ranks need, at most a read window each) and
 each piece gets one reader, balanced by bytes (ties go to a node that reads less, then to
 a rank that needs the piece itself, so it sends one copy fewer). Then, window by window
-(at most `shared_window` bytes in flight per rank), the readers read their pieces from
+(two windows of half of `shared_window` bytes in flight per rank: the next is read
+while this one is sent), the readers read their pieces from
 storage and verify every block (ckptd.format.reader), the ranks agree that every read
 succeeded, and each piece goes from its reader to the ranks that need it: one broadcast
 when every rank needs it (replicated state), point-to-point sends otherwise. A receiver
@@ -31,6 +32,8 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -261,22 +264,37 @@ def read_shared(
     sinks = _local_sinks(plan)
     stats = SharedReadStats()
     bad_transfer: str | None = None
-    for win in windows(pieces, max(block, k.shared_window)):
+    # Two windows in flight: the next one is read (a thread of its own; the reads inside
+    # run on the I/O pool) while this one is sent, checked and copied.
+    wins = windows(pieces, max(block, k.shared_window // 2))
+    ahead = ThreadPoolExecutor(1, thread_name_prefix="ckpt-shared-read")
+
+    def start(win: list[Piece]) -> tuple[list[Piece], dict[int, np.ndarray], Future[Any]]:
         bufs = {id(p): np.empty(p.nbytes, dtype=np.uint8) for p in win if _holds(p, peers.rank)}
-        error = _read_mine(ck, win, bufs, peers.rank, threads)
-        stats.read_bytes += sum(p.nbytes for p in win if p.reader == peers.rank)
-        if peers.all_max(1 if error is not None else 0):
-            _raise_agreed(peers, error, ck)
-        _transfer(win, bufs, peers, stats)
-        for p in win:
-            if peers.rank not in p.needers:
-                continue
-            data = bufs[id(p)]
-            if p.reader != peers.rank and k.verify_received and bad_transfer is None:
-                bad_transfer = _check_received(ck, p, data, block)
-            if bad_transfer is None:
-                _apply(sinks, p, data)
-        del bufs
+        return win, bufs, ahead.submit(_read_mine, ck, win, bufs, peers.rank, threads)
+
+    nxt = start(wins[0]) if wins else None
+    try:
+        for i in range(len(wins)):
+            assert nxt is not None
+            win, bufs, reading = nxt
+            error = reading.result()
+            nxt = start(wins[i + 1]) if i + 1 < len(wins) else None
+            stats.read_bytes += sum(p.nbytes for p in win if p.reader == peers.rank)
+            if peers.all_max(1 if error is not None else 0):
+                _raise_agreed(peers, error, ck)
+            _transfer(win, bufs, peers, stats)
+            for p in win:
+                if peers.rank not in p.needers:
+                    continue
+                data = bufs[id(p)]
+                if p.reader != peers.rank and k.verify_received and bad_transfer is None:
+                    bad_transfer = _check_received(ck, p, data, block)
+                if bad_transfer is None:
+                    _apply(sinks, p, data)
+            del bufs
+    finally:
+        ahead.shutdown(wait=True)  # a read ahead of a failure ends before its buffers go
     if peers.all_max(1 if bad_transfer is not None else 0):
         raise CkptError(
             bad_transfer
