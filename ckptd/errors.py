@@ -129,6 +129,7 @@ __all__ = [
     "ShardSizeMismatch",
     "HashMismatch",
     "InvalidManifest",
+    "PeerReadFailed",
     "UnsafePath",
     "UnsupportedValue",
     "StateMismatch",

@@ -5,7 +5,9 @@ split by rows, then load it: with read="auto" the ranks' storage reads (counted 
 ckptd.storage.counters, per process) add up to the stored bytes once, and every rank's
 values are bit-exact; with read="each" every rank reads what it needs itself. A partial
 load (keys=) reads only the selected keys, once. A corrupted block is caught by the one
-rank that reads it, and every rank falls back to the previous step together.
+rank that reads it, and every rank falls back to the previous step together; a bit
+flipped between ranks is caught by the receiver, fails the load everywhere and marks
+nothing.
 """
 
 from __future__ import annotations
@@ -109,8 +111,8 @@ def test_a_corrupt_block_is_caught_by_its_reader_and_every_rank_falls_back(
         if e["key"] == "rep.3"
     ]
     flip_bit(str(step / shard["path"]), entry["offset"] + 1000)
-    results = spawn("load:auto", job, out)
-    tally.fault("a corrupt block in a load that ranks read together")
+    with tally.fault("a corrupt block in a load that ranks read together"):
+        results = spawn("load:auto", job, out)
     for r in results:
         assert r["result"]["step"] == 1 and r["result"]["fell_back_from"] == 2
         reason = r["result"]["fallback_reason"]
@@ -120,3 +122,19 @@ def test_a_corrupt_block_is_caught_by_its_reader_and_every_rank_falls_back(
     assert len(heard) == WORLD - 1
     marker = json.loads((step / "QUARANTINED.json").read_text())
     assert "rep.3" in marker["reason"] and marker["step"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_bytes_corrupted_between_ranks_fail_the_load_everywhere_and_mark_nothing(
+    saved: tuple[Path, Path], tmp_path: Path, tally
+) -> None:
+    src, out = saved
+    job = tmp_path / "job"
+    shutil.copytree(src, job)
+    with tally.fault("a bit flipped in a transfer between ranks"):
+        results = spawn("load:auto:corrupt-transfer", job, out)
+    errors = [r.get("load_error", "") for r in results]
+    assert all(errors), errors
+    assert "transfer between ranks is corrupt" in errors[1] and "rank" in errors[1]
+    assert all("another rank received bytes" in e for i, e in enumerate(errors) if i != 1)
+    assert not list(job.glob("step-*/QUARANTINED.json"))

@@ -65,10 +65,15 @@ def load(rank: int, world: int, job: str, mode: str) -> dict[str, Any]:
     from ckptd.storage import counters
 
     _, read, *rest = mode.split(":")
-    keys = rest[0] if rest else None
+    keys = rest[0] if rest and rest[0] != "corrupt-transfer" else None
+    if "corrupt-transfer" in rest and rank == 1:
+        _corrupt_what_rank_receives()
     target = state(world, None)
     before = counters.snapshot()
-    res = ckpt.load(target, job, read=read, keys=keys)
+    try:
+        res = ckpt.load(target, job, read=read, keys=keys)
+    except ckpt.CkptError as e:
+        return {"load_error": f"{type(e).__name__}: {e}"}
     got = counters.snapshot() - before
     want = state(world, res.step)
     checks = {}
@@ -88,6 +93,23 @@ def load(rank: int, world: int, job: str, mode: str) -> dict[str, Any]:
             "quarantined": res.quarantined,
         },
     }
+
+
+def _corrupt_what_rank_receives() -> None:
+    """A bit flipped on the way between ranks: what no storage check can see (the only
+    fault here that cannot happen for real on loopback, so it is injected)."""
+    from ckpt import _shared_read
+
+    real = _shared_read._transfer
+
+    def flipping(win, bufs, peers, stats):  # type: ignore[no-untyped-def]
+        real(win, bufs, peers, stats)
+        for p in win:
+            if p.reader != peers.rank and peers.rank in p.needers:
+                bufs[id(p)][7] ^= 0x10
+                return
+
+    _shared_read._transfer = flipping
 
 
 def _run(rank: int, world: int, mode: str, job: str, out_dir: str) -> int:

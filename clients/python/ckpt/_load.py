@@ -13,6 +13,10 @@ from one storage is ckpt._restore's; this module decides around it:
   tier is asked (each says why not); otherwise the copies this rank sees committed. A
   rank stops at its first copy that loads; ranks need not agree on the tier, since every
   copy of a step is the same bytes and every byte is verified.
+- Who reads. Under a process group a load that chooses its step (or read="shared") reads
+  together: the ranks try each tier's copy in step, and a copy every rank planned is read
+  once for the job and sent to the ranks that need it (ckpt._shared_read); otherwise, or
+  with read="each", every rank reads what it needs itself.
 - What a failure is. Damage (CorruptCheckpoint: a hash mismatch, a missing or truncated
   shard, a bad index or manifest) and unreadable (an OSError: the device refused a read,
   the tier is unreachable, the step is not in that tier) send the rank to the next copy;
@@ -23,8 +27,8 @@ from one storage is ckpt._restore's; this module decides around it:
   load quarantines: a damaged copy gets QUARANTINED.json in its tier (kept if a peer wrote
   it first) and on_quarantine(tier, step, reason) is called; an unreadable copy is skipped
   unmarked (the error may be transient). A load by explicit step, or with fallback=False,
-  tries that one step's copies, marks nothing, uses no collective (any subset of ranks may
-  call it), and raises when none loads.
+  tries that one step's copies, marks nothing, uses no collective unless read="shared"
+  (any subset of ranks may call it), and raises when none loads.
 - The final error has the type of this rank's first failure and lists every step and copy
   tried, with what to do.
 """
