@@ -171,37 +171,49 @@ class Piece:
 def make_pieces(
     ck: OpenCheckpoint, said: Sequence[Announce], block: int, limit: int
 ) -> list[Piece]:
-    """The needed blocks of every rank, cut into pieces, in storage order."""
+    """The needed blocks of every rank, cut into pieces, in storage order.
+
+    Works on the announced runs, not on single blocks: per entry, a sweep over the runs'
+    ends gives the stretches that one set of ranks needs (one stretch of all ranks for a
+    replicated entry, however many ranks), each cut at `limit` bytes.
+    """
     entries: dict[tuple[int, int], IndexEntry] = {}
     for s, idx in enumerate(ck.indexes):
         for e in idx.entries:
             entries[(s, e.offset)] = e
-    need: dict[tuple[int, int, int], set[int]] = {}
+    runs: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for r, a in enumerate(said):
         for shard, off, first, count in a.needs.tolist():
-            if (shard, off) not in entries:
-                raise CkptError(f"rank {r} asked for bytes at {off} of shard {shard}: no entry")
-            for b in range(first, first + count):
-                need.setdefault((shard, off, b), set()).add(r)
-    per_block_max = max(1, limit // block)
+            ent = entries.get((shard, off))
+            n_blocks = -(-ent.length // block) if ent is not None else 0
+            if ent is None or count < 1 or first < 0 or first + count > n_blocks:
+                raise CkptError(
+                    f"{_where(ck)}: rank {r} asked for blocks {first}..{first + count} of an "
+                    f"entry at byte {off} of shard {shard}, which has no such blocks"
+                )
+            runs.setdefault((shard, off), []).append((first, first + count, r))
+    per_piece = max(1, limit // block)
     pieces: list[Piece] = []
-    for (shard, off, b), ranks in sorted(need.items()):
+    for (shard, off), spans in sorted(runs.items()):
         e = entries[(shard, off)]
-        n = min(block, e.length - b * block)
-        who = tuple(sorted(ranks))
-        last = pieces[-1] if pieces else None
-        if (
-            last is not None
-            and last.shard == shard
-            and last.entry.offset == off
-            and last.first + last.count == b
-            and last.needers == who
-            and last.count < per_block_max
-        ):
-            last.count += 1
-            last.nbytes += n
-        else:
-            pieces.append(Piece(shard, e, b, 1, n, who, b * block))
+        events: dict[int, list[tuple[int, int]]] = {}
+        for lo, hi, r in spans:
+            events.setdefault(lo, []).append((r, 1))
+            events.setdefault(hi, []).append((r, -1))
+        active: dict[int, int] = {}  # rank -> how many of its runs cover this stretch
+        cuts = sorted(events)
+        for lo, hi in zip(cuts, cuts[1:], strict=False):
+            for r, d in events[lo]:
+                active[r] = active.get(r, 0) + d
+                if not active[r]:
+                    del active[r]
+            if not active:
+                continue
+            who = tuple(sorted(active))
+            for b in range(lo, hi, per_piece):
+                count = min(per_piece, hi - b)
+                nbytes = min(e.length, (b + count) * block) - b * block
+                pieces.append(Piece(shard, e, b, count, nbytes, who, b * block))
     return pieces
 
 
