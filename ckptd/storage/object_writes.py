@@ -219,9 +219,9 @@ class MultipartWriteHandle(WriteHandle):
             return
         try:
             sync(self._fs.loop, self._abort_async)
-        except OSError:
-            # The save fails either way; the parts linger until a lifecycle rule removes
-            # them, and they are never part of an object.
+        except Exception:  # noqa: BLE001 - an abort runs while a failure is being raised
+            # The save fails either way, and raising here would hide why; the parts linger
+            # until a lifecycle rule removes them, and they are never part of an object.
             pass
 
     # -- internals -----------------------------------------------------------------------
