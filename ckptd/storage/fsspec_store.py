@@ -1,9 +1,10 @@
 """Storage through fsspec (memory://, s3://, gs://, ...): the portable path.
 
-Object stores have no positional writes, so a shard is assembled in host memory and
-uploaded in one call at `finish()` (`pipe_file`: s3fs sends a large one as a multipart
-upload, `upload_concurrency` parts at a time); reads are ranged GETs (`cat_file(start,
-end)`); whole committed steps are copied up with the bulk `put` (ckptd.format.mirror).
+Object stores have no positional writes, so a shard streams up while it is written
+(ckptd.storage.object_writes): on S3 a multipart upload whose parts go as they fill,
+completed at `finish()`; elsewhere an in-order `fs.open(..., "wb")` file. Neither holds
+the whole shard. Reads are ranged GETs (`cat_file(start, end)`); whole committed steps
+are copied up with the bulk `put` (ckptd.format.mirror).
 
 An object PUT (and a completed multipart upload) is atomic: readers see the whole object
 or none, so `write_atomic` is one PUT there; on other fsspec filesystems it is
@@ -22,7 +23,7 @@ from __future__ import annotations
 import os
 import posixpath
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import fsspec
 import numpy as np
@@ -30,33 +31,9 @@ import numpy as np
 from ckptd import knobs
 from ckptd.errors import CheckpointExists, InvalidManifest, ShardMissing, StorageError
 from ckptd.storage import counters
-from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
+from ckptd.storage.base import ReadHandle, Storage, WriteHandle
+from ckptd.storage.object_writes import MultipartWriteHandle, SequentialWriteHandle, part_size
 from ckptd.storage.paths import check_relative
-
-
-class FsspecWriteHandle(WriteHandle):
-    def __init__(self, storage: FsspecStorage, path: str, size: int):
-        self.path = path
-        self.size = size
-        self._storage = storage
-        # A bytearray, so that botocore takes it as a PUT body without a copy.
-        self._data = bytearray(size)
-        self._buf = np.frombuffer(self._data, dtype=np.uint8)
-
-    def write(self, offset: int, length: int, pieces: Sequence[Piece]) -> None:
-        for off, arr in pieces:
-            self._buf[off : off + arr.nbytes] = arr
-
-    def finish(self) -> None:
-        try:
-            self._storage.upload(self.path, self._data)
-            counters.wrote(len(self._data))
-        finally:
-            self.abort()
-
-    def abort(self) -> None:
-        self._buf = np.zeros(0, dtype=np.uint8)
-        self._data = bytearray()
 
 
 class FsspecReadHandle(ReadHandle):
@@ -120,8 +97,7 @@ class FsspecStorage(Storage):
         if self.protocol not in ("s3", "s3a"):
             return {}
         k = knobs.get()
-        part = max(k.upload_part_size, 5 << 20, -(-size // 10_000))
-        return {"chunksize": part, "max_concurrency": k.upload_concurrency}
+        return {"chunksize": part_size(size, k), "max_concurrency": k.upload_concurrency}
 
     def upload(self, path: str, data: bytes | bytearray, *, create_only: bool = False) -> None:
         """One object from memory: a PUT, or a multipart upload when large (s3fs)."""
@@ -172,7 +148,14 @@ class FsspecStorage(Storage):
     def open_write(
         self, path: str, size: int, *, preallocate: bool = False, reuse: str | None = None
     ) -> WriteHandle:
-        return FsspecWriteHandle(self, path, size)
+        full = self.full(path)
+        if self.protocol in ("s3", "s3a"):
+            return MultipartWriteHandle(
+                self.fs, url=self.url, path=path, full=full, size=size, put=self.upload
+            )
+        return SequentialWriteHandle(
+            self.fs, url=self.url, path=path, full=full, size=size, object_store=self.object_store
+        )
 
     def open_read(self, path: str, *, cold: bool = False) -> ReadHandle:
         return FsspecReadHandle(self, path)
@@ -245,7 +228,7 @@ class FsspecStorage(Storage):
     # -- capabilities --------------------------------------------------------------------
     @property
     def supports_reuse(self) -> bool:
-        return False  # a shard is one upload at finish(): there are no blocks to reuse
+        return False  # a shard is a new upload: there are no blocks to reuse
 
     def local_path(self, path: str) -> str | None:
         full = self.full(path)  # confined like every other path
