@@ -405,9 +405,9 @@ def _transfer(
         if p.needers == everyone:
             continue
         if me == p.reader:
+            t, _ = tensor_of(p, receiving=False)
             for dst in p.needers:
                 if dst != me:
-                    t, _ = tensor_of(p, receiving=False)
                     work.append((dist.isend(t, dst=dst, tag=tag), t, None))
                     stats.sent_bytes += p.nbytes
         elif me in p.needers:
