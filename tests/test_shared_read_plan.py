@@ -41,7 +41,7 @@ def peers(world: int, per_node: int) -> sr.Peers:
 
 
 def announce(rows: list[tuple[int, int, int, int]]) -> sr.Announce:
-    return sr.Announce("ready", "copy", np.array(rows, dtype=np.int64).reshape(-1, 4))
+    return sr.Announce("ready", "copy", 1, np.array(rows, dtype=np.int64).reshape(-1, 4))
 
 
 def test_pieces_hold_each_needed_block_once_with_exactly_its_ranks() -> None:

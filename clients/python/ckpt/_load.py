@@ -362,11 +362,12 @@ def _try_step_shared(
                 done = _failed(failures, tiers, name, st, at, e, quarantine, on_quarantine, rank)
         said = _shared.announce(
             peers,
-            _shared.Announce("skip")
+            _shared.Announce("skip", tiers=len(tiers))
             if prepared is None
             else _shared.Announce(
                 "ready",
                 _shared.copy_identity(prepared.ckpt),
+                len(tiers),
                 _shared.needs_of(prepared.planner.box_plan(), prepared.ckpt.manifest.block_size),
             ),
         )

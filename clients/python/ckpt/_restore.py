@@ -150,6 +150,7 @@ class Planner:
             ckpt.manifest.state, self._geometry, f"{ckpt.storage.url} step {ckpt.step}"
         )
         self.bases: dict[str, torch.UntypedStorage] = {}
+        self._box_plan: BoxPlan | None = None
 
     @property
     def _where(self) -> str:
@@ -498,10 +499,12 @@ class Planner:
         )
 
     def box_plan(self) -> BoxPlan:
-        """The shard reads of every planned key (what a shared read announces)."""
-        return plan_boxes(
-            self.ckpt, [BoxRead(d.key, d.offsets, d.sizes, d.bytes) for d in self.dests.values()]
-        )
+        """The shard reads of every planned key (what a shared read announces); made once,
+        after planning."""
+        if self._box_plan is None:
+            boxes = [BoxRead(d.key, d.offsets, d.sizes, d.bytes) for d in self.dests.values()]
+            self._box_plan = plan_boxes(self.ckpt, boxes)
+        return self._box_plan
 
     def read(self, reads: Callable[[BoxPlan], int]) -> int:
         """Fill every planned key through `reads` (which reads, verifies and copies the

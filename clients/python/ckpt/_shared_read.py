@@ -105,10 +105,11 @@ class Announce:
 
     status: str  # ready: planned, and will read with the others; skip / failed: will not
     copy: str = ""  # identity of the copy: the step and every index's blake3
+    tiers: int = 0  # how many copies this rank's load tries (the same on every rank)
     needs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 4), np.int64))
 
     def encode(self) -> bytes:
-        head = json.dumps({"status": self.status, "copy": self.copy}).encode()
+        head = json.dumps({"status": self.status, "copy": self.copy, "tiers": self.tiers}).encode()
         return len(head).to_bytes(4, "little") + head + self.needs.astype("<i8").tobytes()
 
     @classmethod
@@ -116,7 +117,7 @@ class Announce:
         n = int.from_bytes(data[:4], "little")
         head = json.loads(data[4 : 4 + n])
         needs = np.frombuffer(data[4 + n :], dtype="<i8").reshape(-1, 4)
-        return cls(str(head["status"]), str(head["copy"]), needs)
+        return cls(str(head["status"]), str(head["copy"]), int(head["tiers"]), needs)
 
 
 def copy_identity(ck: OpenCheckpoint) -> str:
@@ -145,8 +146,20 @@ def needs_of(plan: BoxPlan, block: int) -> np.ndarray:
 
 
 def announce(peers: Peers, mine: Announce) -> list[Announce]:
-    """Every rank's announcement (a collective every rank makes once per copy tried)."""
-    return [Announce.decode(b) for b in peers.all_gather_bytes(mine.encode())]
+    """Every rank's announcement (a collective every rank makes once per copy tried).
+
+    Ranks that try different numbers of copies (a mirror configured on some ranks only)
+    would make different numbers of collectives and hang: every rank refuses at once.
+    """
+    said = [Announce.decode(b) for b in peers.all_gather_bytes(mine.encode())]
+    counts = {a.tiers for a in said}
+    if len(counts) > 1:
+        raise CkptError(
+            f"rank {peers.rank}: the ranks of this load try different numbers of copies "
+            f"({', '.join(f'rank {r}: {a.tiers}' for r, a in enumerate(said))}); configure "
+            "the same tiers (mirror or none) on every rank, or load with read='each'"
+        )
+    return said
 
 
 def all_ready(peers: Peers, said: Sequence[Announce]) -> bool:
