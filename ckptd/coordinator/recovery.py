@@ -29,9 +29,10 @@ from ckptd.storage import JobLocation, Storage
 
 log = logging.getLogger("ckptd.coordinator")
 
-# Bounds on a scan of the root: directories listed, and what it left out kept to show.
+# Bounds on a scan of the root: directories listed, and what it left out that is logged
+# and kept to show (the rest are counted).
 MAX_SCAN_DIRS = 100_000
-MAX_SKIPPED_LISTED = 1000
+MAX_SKIPPED_LISTED = 100
 
 
 class Recovery:
@@ -205,7 +206,10 @@ class Recovery:
 
     def _skip(self, path: str, reason: str, advice: str) -> None:
         """Report a job (or step, or directory) the scan could not read and left out."""
-        log.warning("skipped %s: %s; %s", path, reason, advice)
+        # The first ones in full; a hostile tree of 10,000 bad steps logs a summary, not
+        # 10,000 lines (serve logs the count once the scan is done).
+        level = logging.WARNING if self.skipped_count < MAX_SKIPPED_LISTED else logging.DEBUG
+        log.log(level, "skipped %s: %s; %s", path, reason, advice)
         if len(self.skipped) < MAX_SKIPPED_LISTED:
             self.skipped.append(Skipped(path, reason, advice))
         self.skipped_count += 1
@@ -263,7 +267,9 @@ def _find_jobs(
         is_job = False
         for entry in entries:
             if layout.parse_step_dir(entry.name) is not None:
-                is_job = True  # a symlinked step is the job's, reported by its rebuild
+                is_job = True  # a step linked out of the job: its rebuild reports it
+                if entry.is_symlink():
+                    _report_link(root, entry.path, skip, loops_only=True)
                 continue
             if entry.name.startswith("."):
                 continue
@@ -276,7 +282,9 @@ def _find_jobs(
     return sorted(jobs)
 
 
-def _report_link(root: str, path: str, skip: Callable[[str, str, str], None]) -> None:
+def _report_link(
+    root: str, path: str, skip: Callable[[str, str, str], None], *, loops_only: bool = False
+) -> None:
     """Report a symlink the walk does not follow when it may hide a job: a loop, or a
     directory outside the root (one inside it is walked where it really is)."""
     try:
@@ -286,7 +294,7 @@ def _report_link(root: str, path: str, skip: Callable[[str, str, str], None]) ->
             skip(path, "is a symlink loop", "remove the link")
         return  # a dangling link holds nothing
     real = os.path.realpath(path)
-    if is_dir and not (real + "/").startswith(root.rstrip("/") + "/"):
+    if is_dir and not loops_only and not (real + "/").startswith(root.rstrip("/") + "/"):
         skip(
             path,
             f"is a symlink to {real}, outside the root; ckptd does not follow it",
