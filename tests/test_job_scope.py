@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -145,11 +146,14 @@ def test_ckptd_serve_reports_and_skips_hostile_jobs_and_serves_the_rest(
     for p in (root / "good" / ".ckptd", bad / ".ckptd"):
         shutil.rmtree(p)  # no catalog: serve's start-up scans the root
     metrics_file = tmp_path / "srv" / "metrics-port"
-    with tally.fault("ckptd serve over a root with hostile jobs"), serving(
-        root,
-        tmp_path / "srv",
-        extra_args=["--metrics-port", "0", "--metrics-port-file", str(metrics_file)],
-    ) as s:
+    with (
+        tally.fault("ckptd serve over a root with hostile jobs"),
+        serving(
+            root,
+            tmp_path / "srv",
+            extra_args=["--metrics-port", "0", "--metrics-port-file", str(metrics_file)],
+        ) as s,
+    ):
         t0 = time.monotonic()
         s.start(timeout=120)
         started_s = time.monotonic() - t0
@@ -174,10 +178,8 @@ def test_ckptd_serve_reports_and_skips_hostile_jobs_and_serves_the_rest(
 
 
 def _scrape(port: int) -> str:
-    import urllib.request  # noqa: PLC0415 - only this test scrapes
-
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:  # noqa: S310
-        return r.read().decode()
+        return str(r.read().decode())
 
 
 def test_the_scan_is_bounded_and_reports_where_it_stopped(tmp_path: Path) -> None:
