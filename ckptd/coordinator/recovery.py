@@ -139,7 +139,8 @@ class Recovery:
         alone: a job never reads its neighbours, and its start-up does not grow with them.
         One over a root (`ckptd serve`) walks it for jobs (`_find_jobs`); a job or step it
         cannot read, or will not follow (a symlink out of the root, a loop, a corrupt
-        manifest), is logged and listed in `skipped`, and the rest are served.
+        manifest), is logged and listed in `skipped`, and the rest are served. (A step of
+        its own that one job cannot read is logged too; its job it cannot read raises.)
         """
         if self.location.is_url:
             return 0
@@ -151,6 +152,8 @@ class Recovery:
             try:
                 n += self._rebuild_job(job)
             except (CkptError, OSError, ValueError) as e:
+                if self.scope is not None:
+                    raise  # the one job it serves: its own user must hear, not a log line
                 self._skip(
                     os.path.join(self.root, job),
                     f"its checkpoints could not be read: {e}",
@@ -233,10 +236,10 @@ def _find_jobs(
 ) -> list[str]:
     """Directories under root that contain step-* entries (a job), relative to it.
 
-    Bounded: at most `max_dirs` directories are listed, none below `max_depth`, no step,
-    hidden or symlinked directory is entered (a symlink is never followed: a loop or a link
-    out of the root is reported, not walked). A directory that cannot be listed is reported
-    and the walk goes on.
+    Bounded: at most `max_dirs` directories are listed, none more than `max_depth` + 1
+    below the root, and no step, hidden or symlinked directory is entered (a symlink is
+    never followed: a loop or a link out of the root is reported, not walked). A directory
+    that cannot be listed is reported and the walk goes on.
     """
     jobs: list[str] = []
     stack: list[tuple[str, int]] = [("", 0)]
@@ -247,7 +250,7 @@ def _find_jobs(
             skip(
                 root,
                 f"the scan stopped after listing {max_dirs} directories below it; jobs "
-                "beyond those are served but not listed until they save again",
+                "beyond those are served, but the steps they hold are not in the catalog",
                 "move unrelated trees out of the root, or serve a narrower --root",
             )
             break
@@ -266,16 +269,19 @@ def _find_jobs(
             continue
         is_job = False
         for entry in entries:
-            if layout.parse_step_dir(entry.name) is not None:
+            linked = entry.is_symlink()
+            if layout.parse_step_dir(entry.name) is not None and (
+                linked or entry.is_dir(follow_symlinks=False)
+            ):
                 is_job = True  # a step linked out of the job: its rebuild reports it
-                if entry.is_symlink():
+                if linked:
                     _report_link(root, entry.path, skip, loops_only=True)
                 continue
             if entry.name.startswith("."):
                 continue
-            if entry.is_symlink():
+            if linked:
                 _report_link(root, entry.path, skip)
-            elif depth < max_depth and entry.is_dir(follow_symlinks=False):
+            elif depth <= max_depth and entry.is_dir(follow_symlinks=False):
                 stack.append((os.path.join(rel, entry.name) if rel else entry.name, depth + 1))
         if is_job and rel:
             jobs.append(rel)
