@@ -11,7 +11,10 @@ served, empty) unless --create-root. One coordinator per catalog: a second `ckpt
 on the same catalog is refused while the first runs. The catalog defaults to <root>/.ckptd/catalog.sqlite and
 must be on a local disk (SQLite is not safe on NFS/Lustre): pass --catalog elsewhere when
 the root is a parallel filesystem. Usage errors exit 2, failures to start (a port in use, a
-catalog held) 1, each with one `error:` line. SIGTERM/SIGINT stop it gracefully. With --metrics-port,
+catalog held) 1, each with one `error:` line. SIGTERM/SIGINT stop it gracefully. A job, step or directory below the root that
+cannot be read (unreadable, a symlink loop or a link out of the root, a corrupt
+manifest) is logged with its path and skipped by the start-up scan, never fatal; the
+metric ckptd_scan_skipped counts them and `ckptd rebuild-catalog` prints them. With --metrics-port,
 Prometheus metrics are served at http://HOST:PORT/metrics (ckptd/server/metrics.py).
 """
 
@@ -159,6 +162,13 @@ async def _serve_locked(args: argparse.Namespace, token: str | None) -> int:
         args.root, catalog, lease_s=args.lease, barrier_timeout_s=args.barrier_timeout
     )
     await core.start()
+    if core.skipped_count:
+        log.warning(
+            "%d job(s), step(s) or directories under %s could not be read and are not "
+            "listed (each logged above; metric ckptd_scan_skipped); every other job is served",
+            core.skipped_count,
+            core.root,
+        )
     metrics_server = None
     if args.metrics_port is not None:
         metrics_host = args.metrics_host or args.listen.rsplit(":", 1)[0].strip("[]")
@@ -248,6 +258,10 @@ def _rebuild_locked(args: argparse.Namespace, path: str) -> int:
     n = core.rebuild_from_storage()
     catalog.close()
     print(f"rebuilt {path}: {n} committed checkpoint(s) found under {core.root}")
+    for skipped in core.skipped:
+        print(f"skipped {skipped.path}: {skipped.reason}; {skipped.advice}")
+    if core.skipped_count > len(core.skipped):
+        print(f"... and {core.skipped_count - len(core.skipped)} more (see the log)")
     return 0
 
 

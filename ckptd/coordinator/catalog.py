@@ -10,7 +10,7 @@ from manifests alone.
 Every statement is here: the core records a save's life through typed methods
 (`record_begin`, `record_draft`, `record_report`, `mark_committing`, `mark_committed`,
 `mark_aborted`, `mark_quarantined`, `record_tier`, `add_retiring`, `forget_retired`,
-`set_generation`, and `found_save`/`found_generation` for a rebuild), each one durable
+`set_generation`, and `found_job` for a rebuild), each one durable
 transaction shared with whatever else is queued (group commit).
 
 SQLite's locking is not safe on NFS/Lustre/other network filesystems, so opening a
@@ -425,29 +425,34 @@ class Catalog:
         )
 
     # -- writes: a rebuild from storage (synchronous; no write may be in flight) --------
-    def found_save(self, rec: SaveRecord) -> None:
-        """A step found on storage, recorded as storage describes it."""
-        self._wdb.execute(
-            "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, reason, "
-            "bytes, created_unix, committed_unix, manifest_blake3, parent) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                rec.job,
-                rec.step,
-                rec.generation,
-                rec.world_size,
-                rec.status,
-                rec.reason,
-                rec.bytes,
-                rec.created_unix,
-                rec.committed_unix,
-                rec.manifest_blake3,
-                rec.parent,
-            ),
+    def found_job(self, job: str, saves: list[SaveRecord], generation: int | None) -> None:
+        """A job found on storage: its steps as storage describes them and, when newer than
+        the catalog's, its newest generation, in one transaction (a job of 10,000 steps
+        costs one fsync, not 10,000)."""
+        self._commit(
+            [
+                (
+                    "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, "
+                    "reason, bytes, created_unix, committed_unix, manifest_blake3, parent) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        rec.job,
+                        rec.step,
+                        rec.generation,
+                        rec.world_size,
+                        rec.status,
+                        rec.reason,
+                        rec.bytes,
+                        rec.created_unix,
+                        rec.committed_unix,
+                        rec.manifest_blake3,
+                        rec.parent,
+                    ),
+                )
+                for rec in saves
+            ]
+            + ([(_SET_GENERATION, (job, generation))] if generation is not None else [])
         )
-
-    def found_generation(self, job: str, generation: int) -> None:
-        self._wdb.execute(_SET_GENERATION, (job, generation))
 
     # -- queries -----------------------------------------------------------------------
     def generation(self, job: str) -> int | None:

@@ -32,7 +32,7 @@ from ckptd.coordinator import observer as obs
 from ckptd.coordinator import planning, retention
 from ckptd.coordinator.catalog import Catalog, SaveRecord
 from ckptd.coordinator.queries import Queries
-from ckptd.coordinator.recovery import Recovery
+from ckptd.coordinator.recovery import Recovery, Skipped
 from ckptd.coordinator.session import (
     STEP_MISMATCH_GRACE_S,
     RankPlan,
@@ -62,6 +62,7 @@ from ckptd.errors import (
     StaleGeneration,
     StepMismatch,
     StorageError,
+    UnsafePath,
 )
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
@@ -88,9 +89,16 @@ class Coordinator(Recovery, Queries):
         lease_s: float = 60.0,
         barrier_timeout_s: float = 600.0,
         storage_factory: Callable[[str], Storage] | None = None,
+        job: str | None = None,
     ):
+        """A coordinator of every job under `root` (`ckptd serve`), or of `job` alone (the
+        embedded coordinator of one job): then it rebuilds from that job's directory and
+        refuses any other, and never lists, stats or opens a neighbour (promise 6)."""
         self.location = JobLocation.of(root)
         self.root = self.location.path
+        self.scope = None if job is None else self.location.job_name(job)
+        self.skipped: list[Skipped] = []  # what the start-up scan left out (recovery)
+        self.skipped_count = 0
         self.catalog = catalog
         self.lease_s = lease_s
         self.barrier_timeout_s = barrier_timeout_s
@@ -151,7 +159,14 @@ class Coordinator(Recovery, Queries):
     def _job_name(self, job: str) -> str:
         if not isinstance(job, str) or not job or "\0" in job or len(job) > 4096:
             raise InvalidRequest(f"job path {job[:80]!r} is empty, too long or contains NUL")
-        return self.location.job_name(job)
+        name = self.location.job_name(job)
+        if self.scope is not None and name != self.scope:
+            raise UnsafePath(
+                f"job {job!r} is not served here: this is the embedded coordinator of job "
+                f"{self.scope!r} under {self.root}, which serves that job alone; open a "
+                "Checkpointer on the other job (or point both at one `ckptd serve`)"
+            )
+        return name
 
     def storage(self, job: str) -> Storage:
         s = self._storages.get(job)

@@ -32,6 +32,7 @@ from ckptd.errors import (
     InvalidManifest,
     ShardMissing,
     ShardSizeMismatch,
+    UnsafePath,
 )
 from ckptd.faults import crash_point
 from ckptd.format import hashing, layout, values
@@ -48,7 +49,7 @@ from ckptd.storage.base import Storage
 
 COMMITTED = "COMMITTED"
 INCOMPLETE = "INCOMPLETE"  # a step directory without a manifest: an unfinished save
-INVALID = "INVALID"  # a manifest that does not parse
+INVALID = "INVALID"  # a manifest that does not parse, or a step that is a symlink
 QUARANTINED = "QUARANTINED"  # committed, but failed verification at load time: skipped
 QUARANTINE_NAME = "QUARANTINED.json"
 _MAX_MARKER_BYTES = 1 << 16
@@ -105,7 +106,12 @@ def list_steps(storage: Storage) -> list[StepInfo]:
         if step is None:
             continue
         mpath = f"{name}/{layout.MANIFEST_NAME}"
-        if not storage.exists(mpath):
+        try:
+            present = storage.exists(mpath)
+        except UnsafePath as e:  # a step that is a symlink: one bad step, not a bad job
+            out.append(StepInfo(step, INVALID, error=str(e)))
+            continue
+        if not present:
             out.append(
                 StepInfo(step, INCOMPLETE, error="no MANIFEST.json (the save never committed)")
             )

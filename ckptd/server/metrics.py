@@ -76,11 +76,18 @@ class Metrics(obs.SaveObserver):
         self.open_sessions = Gauge(
             "ckptd_open_sessions", "Saves in progress (OPEN or COMMITTING).", registry=r
         )
+        self.scan_skipped = Gauge(
+            "ckptd_scan_skipped",
+            "Jobs, steps or directories the coordinator's last scan of its root (a start-up "
+            "with a new catalog) could not read and left out; each is logged with its path.",
+            registry=r,
+        )
 
     def attach(self, core: Coordinator) -> Metrics:
         core.observer = self
         # Read at scrape time (from the HTTP thread): len() of a dict is atomic.
         self.open_sessions.set_function(lambda: len(core.sessions))
+        self.scan_skipped.set_function(lambda: core.skipped_count)
         return self
 
     # -- SaveObserver ----------------------------------------------------------------------

@@ -10,7 +10,9 @@ The catalog lives where `JobLocation.catalog_path` says: `<job>/.ckptd/catalog.s
 when the job directory is on a local, writable filesystem, else (a network filesystem, a
 read-only mount, or an object store URL such as s3://bucket/job) under
 `$CKPTD_CATALOG_DIR` or `~/.cache/ckptd/catalogs/<hash>/` (SQLite is not safe on
-NFS/Lustre, and cannot live in a bucket). It can always be rebuilt from storage.
+NFS/Lustre, and cannot live in a bucket). It is the job's alone, and can always be
+rebuilt from storage: from the job's own directory, never its neighbours' (the coordinator
+is rooted at the job's parent, which names the job, but scoped to the job).
 
 One coordinator per job and host: each holds its catalog's `CatalogLock` for its life, so
 a second process opening the job gets `JobInUse` (the kernel drops the lock of a killed
@@ -92,9 +94,16 @@ class _Hosted:
         self, catalog_path: str, host: str, lease_s: float, barrier_timeout_s: float
     ) -> int:
         catalog = Catalog(catalog_path)
-        # The coordinator serves the job's parent (memory://job's is memory://).
+        # Rooted at the job's parent (memory://job's is memory://), so that the job keeps
+        # the name its catalog has always filed it under, and scoped to the job: its catalog
+        # is the job's own, so it rebuilds from the job's directory alone and refuses any
+        # other (a neighbour's steps are not this job's; promise 6).
         self.core = Coordinator(
-            self.location.parent, catalog, lease_s=lease_s, barrier_timeout_s=barrier_timeout_s
+            self.location.parent,
+            catalog,
+            lease_s=lease_s,
+            barrier_timeout_s=barrier_timeout_s,
+            job=self.location.path,
         )
         await self.core.start()
         self._server, port = await create_server(
