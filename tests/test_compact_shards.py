@@ -31,6 +31,8 @@ from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, manifest
 from ckptd.storage import open_storage
 
+FIXTURES = Path(__file__).parent / "fixtures"
+
 ALIGN = 4096
 SLACK = 1.02
 
@@ -86,7 +88,9 @@ def check_compact(job: Path, results: list[dict], world: int) -> None:
         f"{world} ranks: shard files hold {on_disk} bytes for a {state}-byte state "
         f"({on_disk / state:.2f}x): replicas assigned elsewhere left their places"
     )
-    assert written <= limit, f"{world} ranks wrote {written} bytes for {state} ({written / state:.2f}x)"
+    assert written <= limit, (
+        f"{world} ranks wrote {written} bytes for {state} ({written / state:.2f}x)"
+    )
     assert on_disk >= state and written >= state  # every chunk is somewhere
     opened = ckfmt.open_checkpoint(open_storage(str(job)), 1)
     assert {i.shard for i in opened.indexes} == {f"shards/{f.name}" for f in files}
@@ -135,7 +139,9 @@ def test_a_v2_index_with_a_gap_is_refused(tmp_path, tally):
         s.update(size=size, index_size=len(data), index_blake3=hashing.digest(data))
     (sdir / "MANIFEST.json").write_bytes(json.dumps(m).encode())
     with tally.bad_input("v2 shard index with a gap between entries"):
-        with pytest.raises(InvalidManifest, match=r"not packed.*rank-00000\.bin|rank-00000.*not packed"):
+        with pytest.raises(
+            InvalidManifest, match=r"not packed.*rank-00000\.bin|rank-00000.*not packed"
+        ):
             ckfmt.open_checkpoint(open_storage(job), 1)
 
 
@@ -197,3 +203,20 @@ def test_a_v1_checkpoint_with_holes_loads_and_verifies(tmp_path):
     for k, t in state.items():
         assert np.array_equal(fresh[k].numpy(), t.numpy()), k
     assert knobs.get().alignment == ALIGN
+
+
+def test_a_v1_checkpoint_written_by_the_old_code_loads_and_verifies(tmp_path):
+    # tests/fixtures/v1-holes-2ranks: written by ckptd before packed shards (its README).
+    job = tmp_path / "job"
+    shutil.copytree(FIXTURES / "v1-holes-2ranks" / "step-000000000001", job / "step-000000000001")
+    opened = ckfmt.open_checkpoint(open_storage(str(job)), 1)
+    assert json.loads((job / "step-000000000001" / "MANIFEST.json").read_text())["version"] == 1
+    gaps = [manifest.packing_gap(i.entries, i.shard_size, i.alignment) for i in opened.indexes]
+    assert len(gaps) == 2 and all(gaps), gaps  # the old layout: holes where replicas were
+    rc, out, err = ckptctl("verify", str(job), "--all", "--level", "full")
+    assert rc == 0 and "step 1: OK" in out, out + err
+    base = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    fresh = {f"w{i}": torch.zeros(64, 64) for i in range(4)}
+    ckpt.load(fresh, str(job), step=1)
+    for i in range(4):
+        assert torch.equal(fresh[f"w{i}"], base * (i + 1) / 7), i
