@@ -118,6 +118,39 @@ def test_over_the_staging_budget_only_assigned_entries_are_written(tmp_path, bud
     check_compact(job, results, 2)
 
 
+def test_the_writer_writes_straight_from_the_image_unless_it_must_gather():
+    from ckptd.format import writer
+
+    sizes = [3 << 20, 5000, 1 << 20, 12345]
+    image_offsets, size = writer.plan_offsets(sizes, ALIGN)
+    image = np.arange(size, dtype=np.uint64).astype(np.uint8)
+    items = [
+        writer.WriteItem(f"t{i}", "uint8", [n], [0], [n], image[o : o + n])
+        for i, (o, n) in enumerate(zip(image_offsets, sizes, strict=True))
+    ]
+    window = 1 << 20
+    # Nothing deduplicated: the file is the image; each window is one piece of it, in place.
+    wins = writer._gather_windows(image, image_offsets, image_offsets, items, ALIGN, window)
+    assert sum(n for _, n, _ in wins) == size
+    for off, n, pieces in wins:
+        assert len(pieces) == 1 and pieces[0][0] == off and pieces[0][1].nbytes == n
+        assert np.shares_memory(pieces[0][1], image[off : off + n])
+    # Entry 1 written by another rank: 0 and 2 packed together, pieces from the image.
+    keep = [0, 2, 3]
+    offsets, packed = writer.plan_offsets([sizes[i] for i in keep], ALIGN)
+    wins = writer._gather_windows(
+        image, [image_offsets[i] for i in keep], offsets, [items[i] for i in keep], ALIGN, window
+    )
+    out = np.zeros(packed, np.uint8)
+    for off, n, pieces in wins:
+        for p_off, arr in pieces:
+            assert off <= p_off and p_off + arr.nbytes <= off + n
+            out[p_off : p_off + arr.nbytes] = arr
+    for i, o in zip(keep, offsets, strict=True):
+        assert np.array_equal(out[o : o + sizes[i]], items[i].data)
+    assert packed == size - writer.plan_offsets([sizes[1]], ALIGN)[1]
+
+
 def test_a_v2_index_with_a_gap_is_refused(tmp_path, tally):
     job = str(tmp_path / "job")
     ckpt.save({"a": torch.arange(4096.0), "b": torch.ones(100)}, job, step=1)
