@@ -320,16 +320,14 @@ class Checkpointer:
         except BaseException as e:
             save.abort(f"{type(e).__name__}: {e}")
             raise
-        plan = job.plan(digests)
         begun = save.begin(
-            plan,
+            job.plan(digests),
             state=job.node,
             metadata=job.metadata,
             allow_divergent=self.allow_divergent,
             keep_last=job.options.keep_last,
             parent=parent,
         )
-        log.debug("%s: writes %d of %d chunks", save.where, len(begun.write), len(plan))
         if job.over_budget:
             with save.leased(begun.lease_s):
                 job.write_overflow(begun.write, digests)
@@ -341,7 +339,6 @@ class Checkpointer:
         stats = ShardWriteStats()
         with save.leased(begun.lease_s):
             info = job.write(begun.write, b.digests, stats)
-            log.debug("%s: shard %s written (%d bytes)", save.where, info.path, info.size)
             t_report = time.perf_counter()
             status = save.commit(
                 ShardReport.of(

@@ -21,6 +21,7 @@ indexes and verifies.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -34,6 +35,7 @@ from ckptd.format.writer import ShardWriter, ShardWriteStats, hash_items, plan_o
 from ckptd.storage import Storage
 
 VERIFY_LEVELS = ("full", "size")
+log = logging.getLogger("ckpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,13 +139,22 @@ class SaveJob:
         self._write([k for k, i in enumerate(order) if i < self.n_staged], True, digests)
         stats.write_s = time.perf_counter() - t0 + self.overflow_write_s
         assert self.writer is not None
-        return self.writer.finish(
+        info = self.writer.finish(
             [self.items[i] for i in order],
             self.offsets,
             [digests[i] for i in order],
             verify=self.options.verify,
             stats=stats,
         )
+        log.debug(
+            "%s: written (%d bytes): write %.3f s, verify %.3f s (%s)",
+            self.writer.ctx,
+            info.size,
+            stats.write_s,
+            stats.verify_s,
+            self.options.verify,
+        )
+        return info
 
     def written_bytes(self, assigned: list[int]) -> int:
         return sum(self.items[i].data.nbytes for i in assigned)
