@@ -96,6 +96,28 @@ def test_two_ranks_save_load_async_through_dcp(torchrun_job) -> None:
 
 
 @pytest.mark.multiprocess
+def test_dcp_shards_are_packed_and_hold_each_chunk_once(torchrun_job) -> None:
+    # DCP's planner assigns each replica to one rank and the shards are written packed
+    # (format v2): the files' sizes add up to the distinct chunks' bytes (plus alignment).
+    job, _ = torchrun_job
+    for step in (1, 2):
+        m = json.loads((step_dir(job, step) / "MANIFEST.json").read_text())
+        assert m["version"] == 2
+        chunks: list[tuple] = []
+        for sh in m["shards"]:
+            idx = json.loads((step_dir(job, step) / sh["index"]).read_text())
+            assert idx["version"] == 2
+            size = (step_dir(job, step) / sh["path"]).stat().st_size
+            ends, pos = sorted((e["offset"], e["length"]) for e in idx["entries"]), 0
+            for off, n in ends:
+                assert off == pos, (step, sh["path"], off, pos)  # no hole before it
+                pos = -(-(off + n) // m["alignment"]) * m["alignment"]
+            assert size == sh["size"] == pos, (step, sh["path"], size, pos)
+            chunks += [(e["key"], tuple(e["chunk_offsets"])) for e in idx["entries"]]
+        assert len(chunks) == len(set(chunks)), f"step {step}: a chunk is stored twice"
+
+
+@pytest.mark.multiprocess
 def test_dcp_steps_are_ordinary_ckptd_checkpoints(torchrun_job, tmp_path: Path) -> None:
     job, results = torchrun_job
     rc, out, err = ckptctl("verify", str(job), "--all")

@@ -24,7 +24,11 @@ from ckptd.storage.paths import check_relative
 
 FORMAT_NAME = "ckptd"
 INDEX_FORMAT_NAME = "ckptd-shard-index"
-FORMAT_VERSION = 1
+# Version 2: shard files are packed (a shard holds exactly the chunks its index lists,
+# each at the aligned end of the one before). Version 1 files may have holes where a
+# replica written by another rank had its place; both are read.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 MAX_DIMS = values.MAX_DIMS  # one limit for entries' shapes and views' strides
 MAX_KEY_LEN = 4096
 MAX_ELEMENTS = 1 << 62
@@ -205,10 +209,10 @@ def _check_header(doc: Any, fmt: str, what: str) -> dict[str, Any]:
     if doc.get("format") != fmt:
         raise InvalidManifest(f"{what}: not a {fmt} file (format={doc.get('format')!r})")
     version = doc.get("version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in READ_VERSIONS:
         raise InvalidManifest(
             f"{what}: format version {version!r} is not supported by this ckptd "
-            f"(it reads version {FORMAT_VERSION}); upgrade ckptd to read it"
+            f"(it reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade ckptd to read it"
         )
     if doc.get("hash", hashing.HASH_NAME) != hashing.HASH_NAME:
         raise InvalidManifest(f"{what}: unknown hash {doc.get('hash')!r}")
@@ -360,6 +364,14 @@ def parse_index(
             raise InvalidManifest(
                 f"{what}: entry {e.key!r} ends at byte {end}, past the shard's {shard.size} bytes"
             )
+    if doc["version"] >= 2:
+        gap = packing_gap(entries, shard.size, manifest.alignment)
+        if gap is not None:
+            raise InvalidManifest(
+                f"{what}: shard {shard.path!r} is not packed ({gap}), but a version-2 shard "
+                "holds only its entries, each at the aligned end of the one before: the "
+                "index or the shard was altered; load an earlier step"
+            )
     return ShardIndex(
         job=str(doc.get("job", "")),
         step=manifest.step,
@@ -372,6 +384,23 @@ def parse_index(
         alignment=manifest.alignment,
         entries=entries,
     )
+
+
+def packing_gap(entries: list[IndexEntry], size: int, align: int) -> str | None:
+    """Where `entries` fail to tile a shard file of `size` bytes, or None when they do.
+
+    Packed (format version 2): in offset order every entry starts at the end of the one
+    before rounded up to `align` (the first at 0), and the file ends at the last entry's
+    end rounded up; the only bytes no entry holds are that alignment padding.
+    """
+    pos = 0
+    for e in sorted(entries, key=lambda x: (x.offset, x.length)):
+        if e.offset != pos:
+            return f"entry {e.key!r} starts at byte {e.offset}, the packed place is {pos}"
+        pos = -(-(e.offset + e.length) // align) * align
+    if size != pos:
+        return f"the file is {size} bytes, its entries end at {pos} (aligned)"
+    return None
 
 
 def _parse_entry(e: Any, i: int, block: int, align: int, shard: ShardInfo, what: str) -> IndexEntry:

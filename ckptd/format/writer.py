@@ -1,9 +1,12 @@
 """Shard writer: one file per rank, parallel positional writes, blake3 per block, fsync.
 
-The file is laid out before a byte moves: every entry starts at an aligned offset and the
-file is padded to the alignment, so the writer can cut it into fixed windows and write
-them from a small thread pool, each window one pwrite (O_DIRECT from a bounce buffer, or
-pwritev straight from the tensors' memory). Hash tasks for the same bytes are interleaved
+The file is laid out before a byte moves, packed (format version 2): it holds exactly the
+chunks this rank writes, each at the aligned end of the one before, the file padded to the
+alignment, so its size is what the rank wrote. The writer cuts it into fixed windows and
+writes them from a small thread pool, each window one pwrite: straight from a staging
+image (which holds every entry the rank has, replicas others write included) where a
+window lies in one run of the image, else gathered (O_DIRECT from a bounce buffer, or
+pwritev from the pieces' memory). Hash tasks for the same bytes are interleaved
 with the writes in the same pool: blake3 and the I/O calls both release the GIL, so the
 disk and the cores are busy at once. Only after the data is durable is the index written,
 and only after verification does the caller get a ShardInfo it may commit.
@@ -22,7 +25,7 @@ from ckptd import iopool, knobs
 from ckptd.errors import CkptError, CorruptCheckpoint, ShardSizeMismatch, StorageError
 from ckptd.faults import crash_point
 from ckptd.format import hashing, layout, recycle
-from ckptd.format.manifest import IndexEntry, ShardIndex, ShardInfo
+from ckptd.format.manifest import IndexEntry, ShardIndex, ShardInfo, packing_gap
 from ckptd.format.reader import verify_entries
 from ckptd.storage.base import Piece, Storage, WriteHandle
 
@@ -60,77 +63,85 @@ def plan_offsets(sizes: Sequence[int], alignment: int) -> tuple[list[int], int]:
     return offsets, pos
 
 
-def _windows(
-    items: Sequence[WriteItem],
-    offsets: Sequence[int],
-    size: int,
-    window: int,
-    start_at: int = 0,
-) -> list[tuple[int, int, list[Piece]]]:
-    """Windows of [start_at, size) with the pieces of the (offset-sorted) items in each."""
-    out = []
-    j = 0
-    n = len(items)
-    for start in range(start_at, size, window):
-        end = min(size, start + window)
-        pieces: list[Piece] = []
-        while j < n and offsets[j] + items[j].data.nbytes <= start:
-            j += 1
-        k = j
-        while k < n and offsets[k] < end:
-            off, arr = offsets[k], items[k].data
-            lo, hi = max(start, off), min(end, off + arr.nbytes)
-            if hi > lo:
-                pieces.append((lo, arr[lo - off : hi - off]))
-            k += 1
-        out.append((start, end - start, pieces))
-    return out
+Window = tuple[int, int, list[Piece]]  # (file offset, length, the pieces in it)
 
 
-def _image_windows(
-    image: np.ndarray, items: Sequence[WriteItem], offsets: Sequence[int], align: int, window: int
-) -> list[tuple[int, int, list[Piece]]]:
-    """Windows of the image covering the items' (aligned) ranges, neighbours merged."""
+def _span_windows(spans: Sequence[tuple[int, int, np.ndarray]], window: int) -> list[Window]:
+    """Windows over the spans' file ranges, each with the spans' bytes that fall in it.
+
+    A span is (file offset, aligned end, bytes from that offset): the bytes may end before
+    the aligned end (the handle writes zeros there). Spans are sorted and disjoint; file
+    ranges between spans (none in a packed file) are not written. Each window is cut at
+    `window` steps from the start of its contiguous range, so a window that lies inside one
+    span's bytes is a single piece (the handle's zero-copy O_DIRECT path).
+    """
     ranges: list[list[int]] = []
-    for off, it in sorted(zip(offsets, items, strict=True), key=lambda x: x[0]):
-        end = min(image.nbytes, _round_up(off + it.data.nbytes, align))
+    for off, end, _ in spans:
         if end <= off:
             continue
         if ranges and ranges[-1][1] == off:
             ranges[-1][1] = end
         else:
             ranges.append([off, end])
-    out = []
+    out: list[Window] = []
+    j, n = 0, len(spans)
     for lo, hi in ranges:
         for start in range(lo, hi, window):
-            end = min(hi, start + window)
-            out.append((start, end - start, [(start, image[start:end])]))
+            stop = min(hi, start + window)
+            pieces: list[Piece] = []
+            while j < n and spans[j][0] + spans[j][2].nbytes <= start:
+                j += 1
+            k = j
+            while k < n and spans[k][0] < stop:
+                off, _, arr = spans[k]
+                a, b = max(start, off), min(stop, off + arr.nbytes)
+                if b > a:
+                    pieces.append((a, arr[a - off : b - off]))
+                k += 1
+            out.append((start, stop - start, pieces))
     return out
 
 
 def _item_windows(
     items: Sequence[WriteItem], offsets: Sequence[int], align: int, window: int
-) -> list[tuple[int, int, list[Piece]]]:
-    """Windows covering the items' aligned ranges (gaps between ranges are not written)."""
-    order = sorted(range(len(items)), key=lambda i: offsets[i])
-    ranges: list[list[int]] = []
-    for i in order:
-        off, end = offsets[i], _round_up(offsets[i] + items[i].data.nbytes, align)
-        if end <= off:
+) -> list[Window]:
+    """Windows writing the items from their own memory at their (aligned) file offsets."""
+    spans = sorted(
+        (
+            (off, _round_up(off + it.data.nbytes, align), it.data)
+            for off, it in zip(offsets, items, strict=True)
+        ),
+        key=lambda x: (x[0], x[1]),
+    )
+    return _span_windows(spans, window)
+
+
+def _gather_windows(
+    image: np.ndarray,
+    image_offsets: Sequence[int],
+    offsets: Sequence[int],
+    items: Sequence[WriteItem],
+    align: int,
+    window: int,
+) -> list[Window]:
+    """Windows writing items from the staging image (at `image_offsets`) to their packed
+    file `offsets`: runs of items that are neighbours in both become one span of the
+    image, its padding included. With nothing deduplicated the image is the file and each
+    window is one piece of it; a window across a run's edge is a gather (a bounce copy
+    under O_DIRECT, one pwritev otherwise)."""
+    spans: list[tuple[int, int, np.ndarray]] = []
+    src: list[int] = []  # each span's start in the image
+    for off, img, it in sorted(zip(offsets, image_offsets, items, strict=True), key=lambda x: x[0]):
+        n = _round_up(it.data.nbytes, align)
+        if not n:
             continue
-        if ranges and ranges[-1][1] == off:
-            ranges[-1][1] = end
+        if spans and spans[-1][1] == off and src[-1] + spans[-1][1] - spans[-1][0] == img:
+            start = spans[-1][0]
+            spans[-1] = (start, off + n, image[src[-1] : img + n])
         else:
-            ranges.append([off, end])
-    sorted_items = [items[i] for i in order]
-    sorted_offsets = [offsets[i] for i in order]
-    out: list[tuple[int, int, list[Piece]]] = []
-    for lo, hi in ranges:
-        for start, length, pieces in _windows(
-            sorted_items, sorted_offsets, hi, window, start_at=lo
-        ):
-            out.append((start, length, pieces))
-    return out
+            spans.append((off, off + n, image[img : img + n]))
+            src.append(img)
+    return _span_windows(spans, window)
 
 
 def _hash_groups(
@@ -172,7 +183,6 @@ class ShardWriter:
         world_size: int,
         generation: int,
         size: int,
-        recycle_ok: bool = True,
         preallocate: bool | None = None,
         io_threads: int | None = None,
     ):
@@ -190,10 +200,9 @@ class ShardWriter:
         self._open = False
         try:
             storage.makedirs(f"{sdir}/{layout.SHARDS_DIR}")
-            # Reuse a retired file only when every byte of it will be overwritten.
-            reuse = (
-                recycle.take(storage, size) if recycle_ok and k.recycle_files > 0 and size else None
-            )
+            # A retired file can be reused: a packed shard's every byte is written (its
+            # entries and their padding tile it), so nothing of the old file shows through.
+            reuse = recycle.take(storage, size) if k.recycle_files > 0 and size else None
             self.handle = storage.open_write(
                 self.shard_path,
                 size,
@@ -211,10 +220,13 @@ class ShardWriter:
         offsets: Sequence[int],
         *,
         image: np.ndarray | None = None,
+        image_offsets: Sequence[int] | None = None,
         digests: list[list[str]] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> list[list[str]]:
-        """Write items at their offsets (from `image` when given); returns block hashes."""
+        """Write items at their file offsets; returns their block hashes (computed as
+        they are written unless `digests` are given). From `image` when given: a staging
+        buffer holding item i at image_offsets[i] (see _gather_windows)."""
         block = self.block
         hashes = (
             digests
@@ -228,7 +240,11 @@ class ShardWriter:
 
         try:
             if image is not None:
-                windows = _image_windows(image, items, offsets, self.align, self.window)
+                if image_offsets is None or len(image_offsets) != len(items):
+                    raise ValueError("a staging image needs the image offset of every item")
+                windows = _gather_windows(
+                    image, image_offsets, offsets, items, self.align, self.window
+                )
             else:
                 windows = _item_windows(items, offsets, self.align, self.window)
             groups = [] if digests is not None else _hash_groups(items, block, self.window)
@@ -257,18 +273,12 @@ class ShardWriter:
         verify: str = "full",
         stats: ShardWriteStats | None = None,
     ) -> ShardInfo:
-        """fsync, write the index of `items` (what this shard holds), verify; the ShardInfo."""
+        """fsync, write the index of `items` (what this shard holds), verify; the ShardInfo.
+
+        The items must tile the file (packed, format version 2): a layout with a gap is
+        the caller's bug, refused before the file is made durable."""
         if verify not in ("full", "size"):
             raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
-        t0 = time.perf_counter()
-        try:
-            self.handle.finish()
-            self._open = False
-        except BaseException as e:
-            self.abort()
-            _reraise(e, self.ctx)
-        if stats is not None:
-            stats.write_s += time.perf_counter() - t0  # the fsync belongs to writing
         entries = [
             IndexEntry(
                 key=it.key,
@@ -283,6 +293,19 @@ class ShardWriter:
             )
             for i, (it, off) in enumerate(zip(items, offsets, strict=True))
         ]
+        gap = packing_gap(entries, self.size, self.align)
+        if gap is not None:
+            self.abort()
+            raise ValueError(f"{self.ctx}: the entries do not tile the shard file: {gap}")
+        t0 = time.perf_counter()
+        try:
+            self.handle.finish()
+            self._open = False
+        except BaseException as e:
+            self.abort()
+            _reraise(e, self.ctx)
+        if stats is not None:
+            stats.write_s += time.perf_counter() - t0  # the fsync belongs to writing
         index = ShardIndex(
             job=self.job,
             step=self.step,
@@ -347,27 +370,12 @@ def write_shard(
     progress: Callable[[int], None] | None = None,
     stats: ShardWriteStats | None = None,
     digests: list[list[str]] | None = None,
-    image: np.ndarray | None = None,
-    offsets: Sequence[int] | None = None,
 ) -> ShardInfo:
-    """Write, fsync and verify one rank's shard and its index in one go (see ShardWriter).
-
-    Without `image` the items are laid out one after another (aligned). With `image`,
-    `offsets` give each item's place in it (a staging buffer laid out as the file); only
-    the items' ranges are written, so ranges holding chunks another replica writes stay
-    holes of a sparse file.
-    """
+    """Write, fsync and verify one rank's shard and its index in one go (see ShardWriter):
+    the items packed one after another (aligned), from their own memory."""
     if verify not in ("full", "size"):
         raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
-    align = knobs.get().alignment
-    if image is not None:
-        if offsets is None or len(offsets) != len(items):
-            raise ValueError("a staged image needs the offset of every item")
-        size = image.nbytes
-        covered = sum(_round_up(it.data.nbytes, align) for it in items)
-    else:
-        offsets, size = plan_offsets([it.data.nbytes for it in items], align)
-        covered = size
+    offsets, size = plan_offsets([it.data.nbytes for it in items], knobs.get().alignment)
     st = stats if stats is not None else ShardWriteStats()
     t0 = time.perf_counter()
     w = ShardWriter(
@@ -378,11 +386,10 @@ def write_shard(
         world_size=world_size,
         generation=generation,
         size=size,
-        recycle_ok=covered == size,
         preallocate=preallocate,
         io_threads=io_threads,
     )
-    hashes = w.write(items, offsets, image=image, digests=digests, progress=progress)
+    hashes = w.write(items, offsets, digests=digests, progress=progress)
     st.write_s = time.perf_counter() - t0
     return w.finish(items, offsets, hashes, verify=verify, stats=st)
 

@@ -36,7 +36,7 @@ from ckpt._restore import LoadResult
 from ckpt._results import SaveResult, check_metadata, log_saved
 from ckpt._save_job import SaveJob, SaveOptions
 from ckpt._staging import HostImage
-from ckptd.coordinator.types import SaveRef, ShardReport
+from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport
 from ckptd.errors import CheckpointNotFound, CkptError, CoordinatorUnavailable, SaveFailed
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
@@ -246,19 +246,23 @@ class Checkpointer:
             RankSave(self.client, ref, timeout_s=self.timeout_s).abort(f"{type(e).__name__}: {e}")
             raise
         del leaves  # the staged copy is what gets saved; the caller's tensors are free
+        staging_s = time.perf_counter() - t1
         crash_point("rank.after_stage")
+        # Past the staging budget the tensors are written before save() returns, and a
+        # packed shard needs the plan for that (ckpt._save_job).
+        begun = self._begin(job, self._parent) if job.over_budget else None
         pending = PendingSave(step)
-        pending.timings.staging_s = time.perf_counter() - t1 - job.overflow_write_s
+        pending.timings.staging_s = staging_s
         pending.timings.blocking_s = time.perf_counter() - t0
-        pending.bytes = job.size
+        pending.bytes = job.held_bytes
         self._inflight = pending
         self._last_step = step
         parent, self._parent_before, self._parent = self._parent, self._parent, step
         if blocking:
-            self._persist(job, pending, parent)
+            self._persist(job, pending, parent, begun)
             pending.wait()
             return pending
-        self._worker.submit(self._persist, job, pending, parent)
+        self._worker.submit(self._persist, job, pending, parent, begun)
         return pending
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
@@ -284,14 +288,13 @@ class Checkpointer:
             return
         raise err
 
-    def _persist(self, job: SaveJob, pending: PendingSave, parent: int | None | _Unset) -> None:
+    def _persist(
+        self, job: SaveJob, pending: PendingSave, parent: int | None | _Unset, begun: _Begun | None
+    ) -> None:
         """The background part of a save; records the outcome in `pending`, never raises."""
         t0 = time.perf_counter()
         try:
-            if isinstance(parent, _Unset):
-                # Nothing saved or loaded here yet: the state continues the job's live line.
-                parent = ckfmt.latest_step(self.storage)
-            result = self._commit(job, pending, t0, parent)
+            result = self._commit(job, pending, t0, begun or self._begin(job, parent))
         except BaseException as e:  # handed to the training loop through the PendingSave
             pending.timings.persist_s = time.perf_counter() - t0
             pending.settle(None, e)
@@ -299,64 +302,43 @@ class Checkpointer:
                 log.warning("job %s step %d failed: %s", self.path, job.step, e)
             return
         pending.timings.persist_s = time.perf_counter() - t0 - pending.timings.commit_s
-        t = pending.timings
-        result = dataclasses.replace(
-            result,
-            staging_s=t.staging_s,
-            persist_s=t.persist_s,
-            commit_s=t.commit_s,
-            blocking_s=t.blocking_s,
-        )
+        result = dataclasses.replace(result, **dataclasses.asdict(pending.timings))
         log_saved(result, f"job {self.path!r} step {job.step} rank {self.rank}/{self.world_size}")
         pending.settle(result, None)
         if self._mirror is not None:
             self._mirror.submit(job.step)  # committed locally: now the copy to the mirror
 
-    def _commit(
-        self, job: SaveJob, pending: PendingSave, t0: float, parent: int | None
-    ) -> SaveResult:
-        """Hash, plan with the coordinator, write what this rank was assigned, commit."""
+    def _begin(self, job: SaveJob, parent: int | None | _Unset) -> _Begun:
+        """Hash, plan with the coordinator (its barrier waits for every rank); over the
+        staging budget, also write the assigned entries past it from the caller's tensors."""
+        if isinstance(parent, _Unset):
+            # Nothing saved or loaded here yet: the state continues the job's live line.
+            parent = ckfmt.latest_step(self.storage)
         save = RankSave(self.client, job.ref, timeout_s=self.timeout_s)
         try:
             digests = job.digests()
         except BaseException as e:
             save.abort(f"{type(e).__name__}: {e}")
-            job.abort()
             raise
-        plan = job.plan(digests)
-        t_begin = time.perf_counter()
-        try:
-            begun = save.begin(
-                plan,
-                state=job.node,
-                metadata=job.metadata,
-                allow_divergent=self.allow_divergent,
-                keep_last=job.options.keep_last,
-                parent=parent,
-            )
-        except BaseException:
-            job.abort()
-            raise
-        log.debug(
-            "%s: planned %d chunk(s), writes %d (%s) after %.3f s at the barrier",
-            save.where,
-            len(plan),
-            len(begun.write),
-            begun.shard_path,
-            time.perf_counter() - t_begin,
+        begun = save.begin(
+            job.plan(digests),
+            state=job.node,
+            metadata=job.metadata,
+            allow_divergent=self.allow_divergent,
+            keep_last=job.options.keep_last,
+            parent=parent,
         )
+        if job.over_budget:
+            with save.leased(begun.lease_s):
+                job.write_overflow(begun.write, digests)
+        return _Begun(save, digests, begun)
+
+    def _commit(self, job: SaveJob, pending: PendingSave, t0: float, b: _Begun) -> SaveResult:
+        """Write what this rank was assigned, verify, commit."""
+        save, begun = b.save, b.begun
         stats = ShardWriteStats()
         with save.leased(begun.lease_s):
-            info = job.write(begun.write, digests, stats)
-            log.debug(
-                "%s: shard %s written (%d bytes): write %.3f s, verify %.3f s (%s)",
-                save.where,
-                info.path,
-                info.size,
-                stats.write_s,
-                stats.verify_s,
-                job.options.verify,
-            )
+            info = job.write(begun.write, b.digests, stats)
             t_report = time.perf_counter()
             status = save.commit(
                 ShardReport.of(
@@ -374,7 +356,7 @@ class Checkpointer:
             step=job.step,
             path=f"{self.storage.url}/{layout.step_dir(job.step)}",
             bytes=job.written_bytes(begun.write),
-            seconds=pending.timings.blocking_s + time.perf_counter() - t_begin,
+            seconds=pending.timings.blocking_s + time.perf_counter() - t0,
             write_s=stats.write_s,
             verify_s=stats.verify_s,
             tensors=len(begun.write),
@@ -693,6 +675,15 @@ def open_on(path: str) -> Checkpointer | None:
     when there are several (it fences the others), else None."""
     mine = [cp for cp in list(_open) if cp.path == path and not cp.closed]
     return max(mine, key=lambda cp: cp.generation) if mine else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Begun:
+    """A save the coordinator has planned: this rank's side, its hashes, what it writes."""
+
+    save: RankSave
+    digests: list[list[str]]
+    begun: BeginResult
 
 
 @atexit.register

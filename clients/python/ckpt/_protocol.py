@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -57,6 +58,7 @@ class RankSave:
         """BeginSave with this rank's plan: waits until every rank has joined, then says
         which of the chunks this rank writes (replicas are written once) and its shard.
         parent: the step this state descends from (recorded in the manifest)."""
+        t0 = time.perf_counter()
         try:
             begun = self.client.begin_save(
                 self.ref,
@@ -74,6 +76,14 @@ class RankSave:
             raise
         for w in begun.warnings:
             log.warning("%s: %s", self.where, w)
+        log.debug(
+            "%s: planned %d chunk(s), writes %d (%s) after %.3f s at the barrier",
+            self.where,
+            len(plan),
+            len(begun.write),
+            begun.shard_path,
+            time.perf_counter() - t0,
+        )
         return begun
 
     @contextlib.contextmanager

@@ -1,20 +1,27 @@
 """One rank's save between its blocking part and its background part.
 
-The blocking part (`SaveJob.stage`) copies what fits the staging budget into the reusable
-host image; over budget, the leading entries (in shard order) that fit are staged and the
-rest are written to the shard file straight from the caller's tensors before save()
-returns (hashed as they are written), so save() blocks only for what does not fit. Those
-bytes land in the file whichever rank the plan later asks to write them; when another
-replica writes them, they are simply not in this shard's index. A budget of 0 writes
-everything from the tensors: what a blocking save wants, since nothing runs meanwhile.
+The blocking part (`SaveJob.__init__`) copies what fits the staging budget into the
+reusable host image (laid out like a shard of every entry the rank holds); over budget,
+the leading entries (in shard order) that fit are staged and the rest stay in the
+caller's tensors. The shard file is packed (format version 2): it holds only the chunks
+the coordinator assigns to this rank, so where an entry goes in it is known only from the
+plan. Hence over budget the Checkpointer plans before save() returns: it hashes every
+entry (the staged ones in the image, the rest in the tensors), calls BeginSave (which waits
+for every rank) and `write_overflow` writes the assigned entries past the budget from the
+tensors; an entry another replica writes is never written here. save() then blocks for
+the hashing and the barrier as well as those writes: the price of a budget, paid only
+when the state does not fit it. A budget of 0 writes everything from the tensors: what a
+blocking save wants, since nothing runs meanwhile.
 
-The background part hashes the staged entries, and once the coordinator has said which
-chunks this rank writes, writes them from the image, fsyncs, indexes and verifies.
+The background part hashes the staged entries (within budget), plans, and writes the
+assigned staged entries from the image to their packed places (`write`), fsyncs,
+indexes and verifies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -28,6 +35,7 @@ from ckptd.format.writer import ShardWriter, ShardWriteStats, hash_items, plan_o
 from ckptd.storage import Storage
 
 VERIFY_LEVELS = ("full", "size")
+log = logging.getLogger("ckpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +70,8 @@ class SaveOptions:
 
 
 class SaveJob:
-    """A staged save of one rank: its entries, their shard offsets and the host image."""
+    """A staged save of one rank: its entries, their place in the host image and, once
+    the coordinator has planned, in the packed shard file."""
 
     def __init__(
         self,
@@ -78,74 +87,108 @@ class SaveJob:
         self.node, self.metadata = node, metadata
         align = self.alignment = knobs.get().alignment
         sizes = [leaf.nbytes for leaf in leaves]
-        self.offsets, self.size = plan_offsets(sizes, align)
+        self.held_bytes = sum(sizes)
+        self.image_offsets, image_size = plan_offsets(sizes, align)
         budget = options.staging_budget_bytes
         n = len(leaves)
-        if budget is not None and self.size > budget:
+        if budget is not None and image_size > budget:
             n = 0
-            while n < len(leaves) and _round_up(self.offsets[n] + sizes[n], align) <= budget:
+            while n < len(leaves) and _round_up(self.image_offsets[n] + sizes[n], align) <= budget:
                 n += 1
         self.image, staged, _ = stage(leaves[:n], host, alignment=align)
         self.items = staged + [leaf.write_item(leaf.host_bytes()) for leaf in leaves[n:]]
         self.n_staged = n
-        # Over the staging budget: the shard file is open and the entries past n_staged
-        # are already written (with these block hashes).
+        # Set by the plan: the entries this rank writes (in image order) and their packed
+        # offsets in the shard file of `size` bytes.
+        self.assigned: list[int] | None = None
+        self.offsets: list[int] = []
+        self.size = 0
         self.writer: ShardWriter | None = None
-        self._overflow_digests: list[list[str]] = []
-        self.overflow_write_s = 0.0  # time spent writing them, inside the blocking part
-        if n < len(leaves):
-            t0 = time.perf_counter()
-            # A recycled file may be reused only when every byte of it is written: true
-            # when nothing is staged (every entry is written here, padding included).
-            self.writer = self._writer(recycle_ok=n == 0)
-            self._overflow_digests = self.writer.write(self.items[n:], self.offsets[n:])
-            self.overflow_write_s = time.perf_counter() - t0
+        self.overflow_write_s = 0.0  # writing entries past the budget, in the blocking part
 
     @property
     def step(self) -> int:
         return self.ref.step
 
+    @property
+    def over_budget(self) -> bool:
+        """Entries past the staging budget: they must be written before save() returns."""
+        return self.n_staged < len(self.items)
+
     def digests(self) -> list[list[str]]:
-        """The blake3 of every block of every entry (the staged ones hashed now)."""
-        return hash_items(self.items[: self.n_staged]) + self._overflow_digests
+        """The blake3 of every block of every entry (the staged ones from the image)."""
+        return hash_items(self.items)
 
     def plan(self, digests: list[list[str]]) -> list[ChunkPlan]:
         return ChunkPlan.of_items(self.items, digests)
 
+    def write_overflow(self, assigned: list[int], digests: list[list[str]]) -> None:
+        """Over budget, before save() returns: write the assigned entries past the budget
+        from the caller's tensors to their packed places."""
+        t0 = time.perf_counter()
+        over = [k for k, i in enumerate(self._assign(assigned)) if i >= self.n_staged]
+        self._write(over, False, digests)
+        self.overflow_write_s = time.perf_counter() - t0
+
     def write(
         self, assigned: list[int], digests: list[list[str]], stats: ShardWriteStats
     ) -> ShardInfo:
-        """Write this rank's assigned chunks from the staged image; fsync, index, verify."""
+        """Write this rank's assigned staged entries from the image; fsync, index, verify."""
         t0 = time.perf_counter()
-        staged = [i for i in assigned if i < self.n_staged]
-        writer = self.writer
-        if writer is None:
-            covered = sum(_round_up(self.items[i].data.nbytes, self.alignment) for i in assigned)
-            writer = self.writer = self._writer(recycle_ok=covered == self.size)
-        writer.write(
-            [self.items[i] for i in staged],
-            [self.offsets[i] for i in staged],
-            image=self.image,
-            digests=[digests[i] for i in staged],
-        )
+        order = self._assign(assigned)
+        self._write([k for k, i in enumerate(order) if i < self.n_staged], True, digests)
         stats.write_s = time.perf_counter() - t0 + self.overflow_write_s
-        return writer.finish(
-            [self.items[i] for i in assigned],
-            [self.offsets[i] for i in assigned],
-            [digests[i] for i in assigned],
+        assert self.writer is not None
+        info = self.writer.finish(
+            [self.items[i] for i in order],
+            self.offsets,
+            [digests[i] for i in order],
             verify=self.options.verify,
             stats=stats,
         )
+        log.debug(
+            "%s: written (%d bytes): write %.3f s, verify %.3f s (%s)",
+            self.writer.ctx,
+            info.size,
+            stats.write_s,
+            stats.verify_s,
+            self.options.verify,
+        )
+        return info
 
     def written_bytes(self, assigned: list[int]) -> int:
         return sum(self.items[i].data.nbytes for i in assigned)
 
     def abort(self) -> None:
-        """Remove what this rank wrote before the coordinator planned the save."""
+        """Remove what this rank wrote before the save was committed or aborted."""
         if self.writer is not None:
             self.writer.abort()
 
-    def _writer(self, *, recycle_ok: bool) -> ShardWriter:
+    def _assign(self, assigned: list[int]) -> list[int]:
+        """The plan's entries for this rank, in image order, and their packed layout (so
+        with nothing deduplicated the file is laid out exactly like the image)."""
+        if self.assigned is None:
+            self.assigned = sorted(assigned)
+            self.offsets, self.size = plan_offsets(
+                [self.items[i].data.nbytes for i in self.assigned], self.alignment
+            )
+        return self.assigned
+
+    def _write(self, which: list[int], image: bool, digests: list[list[str]]) -> None:
+        """Write the assigned entries at positions `which` of the packed order."""
+        if self.writer is None:
+            self.writer = self._open()
+        assert self.assigned is not None
+        idx = [self.assigned[k] for k in which]
+        self.writer.write(
+            [self.items[i] for i in idx],
+            [self.offsets[k] for k in which],
+            image=self.image if image else None,
+            image_offsets=[self.image_offsets[i] for i in idx] if image else None,
+            digests=[digests[i] for i in idx],
+        )
+
+    def _open(self) -> ShardWriter:
         r = self.ref
         return ShardWriter(
             self.storage,
@@ -155,7 +198,6 @@ class SaveJob:
             world_size=r.world_size,
             generation=r.generation,
             size=self.size,
-            recycle_ok=recycle_ok,
             preallocate=self.options.preallocate,
             io_threads=self.options.io_threads,
         )
