@@ -686,7 +686,6 @@ class _Begun:
     begun: BeginResult
 
 
-@atexit.register
 class _Unset:
     """The parent of a Checkpointer's first save before it is looked up."""
 
@@ -694,6 +693,7 @@ class _Unset:
 _JOB_HEAD = _Unset()
 
 
+@atexit.register
 def _close_all() -> None:
     for cp in list(_open):
         try:
