@@ -32,6 +32,14 @@ VmRSS/VmHWM (/proc/<pid>/status) after every step. Medians over --steps steps (a
 within 2 s; p99 commit latency growing no faster than linearly in N. A save that fails
 (e.g. an RPC the server cancelled) is reported as FAILED for its N and the run goes on.
 
+--ranks-per-node K (default 8) groups the ranks into nodes of K, each with its node
+aggregator: the real ckptd.server.node.NodeBatcher (the logic `NodeAggregator` serves to a
+node's ranks over 127.0.0.1), called directly by the node's simulated ranks with the
+messages they would send it, and sending BeginSaveNode / ReportShardsNode / AwaitCommit
+upstream over the shared channels: one RPC per node and phase. --ranks-per-node 1 is the
+per-rank protocol (every rank calls the coordinator itself). RPCs counts the calls the
+coordinator answered during the save.
+
 --grpc-pending-limit K runs the same `ckptd serve` with gRPC core's server arguments
 grpc.server.max_pending_requests(_hard_limit) raised to K (patched into grpc.aio.server in
 the server process): with the defaults (1000 soft / 3000 hard) gRPC cancels calls at random
@@ -39,7 +47,8 @@ once about 1000 wait to be picked up, which a save of >= ~1000 ranks reaches.
 --profile-server DIR writes a cProfile of the coordinator's event-loop thread per N.
 
     .venv/bin/python bench/coordinator_scale.py [--ranks 64,256,1024,4096] [--steps 5]
-        [--grpc-pending-limit 100000] [--pipelined] [--profile-server DIR]
+        [--ranks-per-node 8] [--grpc-pending-limit 100000] [--pipelined]
+        [--profile-server DIR]
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing
 from ckptd.format.writer import WriteItem, write_shard
 from ckptd.server import converters as cv
+from ckptd.server.node import NodeBatcher
 from ckptd.storage import open_storage
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
@@ -264,7 +274,11 @@ def check_status(st: pb.SaveStatus, what: str) -> None:
         raise Failed(f"{what}: the save was aborted: {st.reason}")
 
 
+RPCS = [0]  # calls made to the coordinator
+
+
 async def call(fn: Any, req: Any, what: str, timeout: float = CALL_TIMEOUT_S) -> Any:
+    RPCS[0] += 1
     try:
         return await fn(req, timeout=timeout)
     except grpc.aio.AioRpcError as e:
@@ -281,6 +295,34 @@ async def all_of(coros: Any) -> None:
     for t in tasks:
         if t.done() and not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
+
+
+class AioUpstream:
+    """A node aggregator's upstream over the bench's grpc.aio channels (ckptd.server.node)."""
+
+    def __init__(self, stub: pb_grpc.CoordinatorStub):
+        self.stub = stub
+
+    async def begin_save(self, req: pb.BeginSaveRequest) -> pb.BeginSaveResponse:
+        return await call(self.stub.BeginSave, req, f"rank {req.ref.rank} BeginSave")
+
+    async def begin_save_node(self, node: str, reqs: Sequence[Any]) -> Sequence[Any]:
+        req = pb.NodeBeginSaveRequest(node=node, ranks=reqs)
+        return (await call(self.stub.BeginSaveNode, req, f"node {node} BeginSaveNode")).ranks
+
+    async def keep_alive_node(self, node: str, reqs: Sequence[Any]) -> Sequence[Any]:
+        req = pb.NodeKeepAliveRequest(node=node, ranks=reqs)
+        return (await call(self.stub.KeepAliveNode, req, f"node {node} KeepAliveNode")).ranks
+
+    async def report_shards_node(self, node: str, reqs: Sequence[Any]) -> Sequence[Any]:
+        req = pb.NodeReportRequest(node=node, ranks=reqs)
+        return (await call(self.stub.ReportShardsNode, req, f"node {node} ReportShardsNode")).ranks
+
+    async def await_commit(self, req: pb.AwaitCommitRequest) -> pb.SaveStatus:
+        return await call(self.stub.AwaitCommit, req, f"rank {req.ref.rank} AwaitCommit", 930)
+
+    async def abort_save(self, req: pb.AbortSaveRequest) -> pb.SaveStatus:
+        return await call(self.stub.AbortSave, req, f"rank {req.ref.rank} AbortSave")
 
 
 # -- one N ---------------------------------------------------------------------------------
@@ -317,6 +359,19 @@ class Job:
         self.storage = open_storage(self.job_path, create=True)
         self.generation = 0
         self.idle_memory = self.server.memory()
+        k = max(1, args.ranks_per_node)
+        self.nodes = (
+            [
+                NodeBatcher(
+                    AioUpstream(self.stubs[n % len(self.stubs)]),
+                    f"bench/node{n}",
+                    range(n * k, min(world, (n + 1) * k)),
+                )
+                for n in range(-(-world // k))
+            ]
+            if k > 1
+            else []
+        )
 
     def stub(self, rank: int) -> pb_grpc.CoordinatorStub:
         return self.stubs[rank % len(self.stubs)]
@@ -375,10 +430,17 @@ class Job:
         infos: list[Any] = [None] * n
         writes: list[list[int]] = [[] for _ in range(n)]
         cpu = {"start": srv.cpu_s()}
+        rpcs0 = RPCS[0]
         client_cpu0 = time.process_time()
 
+        k = max(1, self.args.ranks_per_node)
+        node = (lambda r: self.nodes[r // k]) if self.nodes else None
+
         async def begin(r: int) -> None:
-            resp = await call(self.stub(r).BeginSave, begin_reqs[r], f"rank {r} BeginSave")
+            if node is not None:
+                resp = await node(r).begin_save(begin_reqs[r])
+            else:
+                resp = await call(self.stub(r).BeginSave, begin_reqs[r], f"rank {r} BeginSave")
             t_begin_reply[r] = now()
             if not resp.complete:
                 raise Failed(f"rank {r}: BeginSave answered an incomplete plan")
@@ -392,13 +454,19 @@ class Job:
             ref = begin_reqs[r].ref
             req = cv.report_to_pb(ref, ShardReport.of(info, "size"))
             t_report_sent[r] = now()
-            st = await call(self.stub(r).ReportShard, req, f"rank {r} ReportShard")
+            if node is not None:
+                st = await node(r).report_shard(req)
+            else:
+                st = await call(self.stub(r).ReportShard, req, f"rank {r} ReportShard")
             t_report_reply[r] = now()
             check_status(st, f"rank {r} ReportShard")
             wait = pb.AwaitCommitRequest(ref=ref, timeout_ms=int(CALL_TIMEOUT_S * 1000))
-            st = await call(
-                self.stub(r).AwaitCommit, wait, f"rank {r} AwaitCommit", CALL_TIMEOUT_S + 30
-            )
+            if node is not None:
+                st = await node(r).await_commit(wait)
+            else:
+                st = await call(
+                    self.stub(r).AwaitCommit, wait, f"rank {r} AwaitCommit", CALL_TIMEOUT_S + 30
+                )
             t_commit[r] = now()
             check_status(st, f"rank {r} AwaitCommit")
             if st.status != pb.COMMITTED:
@@ -446,6 +514,7 @@ class Job:
             "chunks_written": sum(written),
             "ranks_writing_nothing": sum(1 for w in written if not w),
             "bytes_written": sum(i.size for i in infos),
+            "rpcs": RPCS[0] - rpcs0,
         }
         if not self.args.pipelined:
             begin_s = max(t_begin_reply) - t0
@@ -464,9 +533,9 @@ class Job:
                     "client_cpu_report_commit_s": client_cpu3 - client_cpu2,
                 }
             )
-            out["rpcs_per_s"] = 3 * n / out["coordinator_s"]
+            out["rpcs_per_s"] = out["rpcs"] / out["coordinator_s"]
         else:
-            out["rpcs_per_s"] = 3 * n / out["wall_s"]
+            out["rpcs_per_s"] = out["rpcs"] / out["wall_s"]
         return out
 
     def check_committed(self, step: int) -> dict[str, Any]:
@@ -546,13 +615,18 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
     if phased:
         hdr += f" {'begin s':>8} {'rank I/O':>9} {'report s':>9} {'commit s':>9} {'coord s':>8}"
     hdr += (
-        f" {'p50 ms':>8} {'p99 ms':>8} {'RPC/s':>8} {'srv CPU s':>9} {'cli CPU s':>9}"
+        f" {'p50 ms':>8} {'p99 ms':>8} {'RPCs':>7} {'RPC/s':>8} {'srv CPU s':>9} {'cli CPU s':>9}"
         f" {'RSS MiB':>8} {'HWM MiB':>8}"
     )
     print(
         f"\nmedians of {args.steps} steps per N (GB = 1e9; MiB = 2^20); "
         f"{'phased (client barriers between phases)' if phased else 'pipelined'}; "
-        f"{args.channels} channels"
+        f"{args.channels} channels; "
+        + (
+            f"{args.ranks_per_node} ranks a node (node aggregators)"
+            if args.ranks_per_node > 1
+            else "per-rank RPCs (no node aggregators)"
+        )
     )
     print(hdr)
     print("-" * len(hdr))
@@ -570,7 +644,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
             )
         line += (
             f" {m['commit_p50_s'] * 1e3:>8.1f} {m['commit_p99_s'] * 1e3:>8.1f}"
-            f" {m['rpcs_per_s']:>8.0f} {m['server_cpu_s']:>9.2f} {m['client_cpu_s']:>9.2f}"
+            f" {m['rpcs']:>7.0f} {m['rpcs_per_s']:>8.0f} {m['server_cpu_s']:>9.2f} {m['client_cpu_s']:>9.2f}"
             f" {m['vm_rss'] / C.MiB:>8.0f} {r['final_vm_hwm'] / C.MiB:>8.0f}"
         )
         print(line)
@@ -646,6 +720,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="measured saves per N (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured saves per N first")
     p.add_argument("--channels", type=int, default=8, help="grpc.aio channels shared by ranks")
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=8,
+        help="ranks a node aggregator batches (1: every rank calls the coordinator)",
+    )
     p.add_argument("--chunk-bytes", type=int, default=64, help="bytes of each chunk")
     p.add_argument("--io-threads", type=int, default=16, help="threads writing rank files")
     p.add_argument("--lease", type=float, default=600.0, help="coordinator lease (no keepalives)")
@@ -691,7 +771,8 @@ def main(argv: list[str] | None = None) -> int:
             "commit_phase_s": "last ReportShard answered -> last AwaitCommit answered",
             "coordinator_s": "begin_s + report_s + commit_phase_s",
             "commit_p50_s/p99_s": "per rank: AwaitCommit answer - last ReportShard answer",
-            "rpcs_per_s": "3N RPCs (BeginSave, ReportShard, AwaitCommit) / coordinator_s",
+            "rpcs": "calls the coordinator answered during the save (3N per rank, 3 per node)",
+            "rpcs_per_s": "rpcs / coordinator_s",
             "server_cpu_s": "coordinator process utime+stime over the save",
             "vm_rss/vm_hwm": "coordinator /proc/<pid>/status after the step",
         },

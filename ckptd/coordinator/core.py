@@ -31,6 +31,7 @@ from typing import Any
 from ckptd.coordinator import observer as obs
 from ckptd.coordinator import planning, retention
 from ckptd.coordinator.catalog import Catalog, SaveRecord
+from ckptd.coordinator.nodes import Nodes
 from ckptd.coordinator.queries import Queries
 from ckptd.coordinator.recovery import Recovery, Skipped
 from ckptd.coordinator.session import (
@@ -78,7 +79,7 @@ MAX_FINISHED_SAVES = 256
 MAX_FINISHED_RANKS = 32_768
 
 
-class Coordinator(Recovery, Queries):
+class Coordinator(Recovery, Queries, Nodes):
     """Transport-free coordinator over one storage root."""
 
     def __init__(
@@ -286,7 +287,9 @@ class Coordinator(Recovery, Queries):
         keep_last: int = 0,
         timeout_s: float | None = None,
         parent: int | None = None,
+        node: str | None = None,
     ) -> BeginResult:
+        """One rank's plan (a part of it); `node`: the aggregator that sent it (nodes.py)."""
         job = self._check_ref(ref)
         if not (1 <= parts <= 100_000 and 0 <= part < parts):
             raise InvalidRequest(
@@ -330,6 +333,7 @@ class Coordinator(Recovery, Queries):
             raise s.abort_kind(f"job {job!r} step {ref.step}: the save was aborted ({s.reason})")
         where = f"job {job!r} step {ref.step} rank {ref.rank}"
         try:
+            s.claim(ref.rank, node)
             for c in chunks:
                 planning.check_chunk(c, where)
             if metadata is not None and not isinstance(metadata, dict):
@@ -430,15 +434,18 @@ class Coordinator(Recovery, Queries):
             return rec.answer()
         return None
 
-    async def keep_alive(self, ref: SaveRef) -> StatusResult:
+    async def keep_alive(self, ref: SaveRef, node: str | None = None) -> StatusResult:
         job = self._check_ref(ref)
         ended = self._ended(ref, job)
         if ended is not None:
             return ended
         s = self._session(ref, job)
+        s.speaks_for(ref.rank, node)
         return s.answer()
 
-    async def report_shard(self, ref: SaveRef, report: ShardReport) -> StatusResult:
+    async def report_shard(
+        self, ref: SaveRef, report: ShardReport, node: str | None = None
+    ) -> StatusResult:
         try:
             job = self._check_ref(ref)
         except StaleGeneration:
@@ -465,6 +472,7 @@ class Coordinator(Recovery, Queries):
             raise InvalidRequest(
                 f"job {job!r} step {ref.step} rank {ref.rank}: ReportShard before the plan was made"
             )
+        s.speaks_for(ref.rank, node)
         prev = s.reports.get(ref.rank)
         if prev is not None:
             if prev == report:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from ckptd.coordinator import planning
 from ckptd.coordinator.types import ABORTED, OPEN, ShardReport, StatusResult
-from ckptd.errors import CkptError, SaveAborted
+from ckptd.errors import CkptError, InvalidRequest, SaveAborted
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
 from ckptd.format.manifest import Manifest, load_json, parse_index
@@ -64,6 +64,7 @@ class Session:
         self.chunks: dict[int, list[planning.ChunkPlan]] = {}
         self.reports: dict[int, ShardReport] = {}
         self.last_seen: dict[int, float] = {}
+        self.node_of: dict[int, str] = {}  # rank -> the node aggregator that speaks for it
         self.created = time.monotonic()
         self.barrier_deadline = self.created
         self.allow_divergent = False
@@ -77,6 +78,29 @@ class Session:
         self.metadata: dict[str, Any] = {}
         self.all_reported = 0.0  # monotonic time of the last shard's report
         self.abort_kind: type[CkptError] = SaveAborted  # what a rank arriving later gets
+
+    def claim(self, rank: int, node: str | None) -> None:
+        """`node` speaks for `rank` in this save (its BeginSave came in that node's batch);
+        a rank another node already spoke for is refused: two processes claim to be it."""
+        if node is None:
+            return
+        prev = self.node_of.setdefault(rank, node)
+        if prev != node:
+            raise InvalidRequest(
+                f"job {self.job!r} step {self.step}: node {node!r} sent rank {rank}, which node "
+                f"{prev!r} already speaks for; a rank joins through its own node's aggregator "
+                "only (check RANK, LOCAL_RANK and GROUP_RANK / the node's hostname on both)"
+            )
+
+    def speaks_for(self, rank: int, node: str | None) -> None:
+        """Refuse a node's keep-alive or report for a rank it did not begin the save for."""
+        if node is not None and self.node_of.get(rank) != node:
+            owner = self.node_of.get(rank)
+            raise InvalidRequest(
+                f"job {self.job!r} step {self.step}: node {node!r} sent rank {rank}, which "
+                + (f"node {owner!r} speaks for" if owner else "joined the save directly")
+                + "; a rank reports through the node that began its save"
+            )
 
     def fail(self, reason: str, kind: type[CkptError] = SaveAborted) -> None:
         self.status, self.reason, self.abort_kind = ABORTED, reason, kind
@@ -108,9 +132,17 @@ class Session:
         ]
         if not silent:
             return None
+        nodes = sorted({self.node_of[r] for r in silent if r in self.node_of})
         return (
             f"rank(s) {_ranks(silent)} silent for over {lease_s:.0f}s "
-            "(lease expired; the process died or hung)"
+            "(lease expired; the process died or hung"
+            + (
+                f"; of node(s) {', '.join(nodes[:8])}: a node's aggregator renews its ranks' "
+                "leases, so a whole node silent is its aggregator (local rank 0) dead or hung"
+                if nodes
+                else ""
+            )
+            + ")"
         )
 
     def answer(self) -> StatusResult:

@@ -185,6 +185,49 @@ class CoordinatorClient:
             self.lease_s = begun.lease_s
         return begun
 
+    # -- the node aggregator's calls (ckptd.server.node): it forwards wire messages --------
+    def begin_save_pb(self, req: pb.BeginSaveRequest) -> pb.BeginSaveResponse:
+        last = req.part + 1 >= max(1, req.parts)
+        wait = req.timeout_ms / 1000 + 30 if last and req.timeout_ms else None
+        return self._call(_what_pb(req.ref), self._stub.BeginSave, req, timeout_s=wait)
+
+    def begin_save_node(
+        self, node: str, reqs: Sequence[pb.BeginSaveRequest]
+    ) -> list[pb.BeginSaveResponse]:
+        """The node's last BeginSave parts in one call; it waits at the barrier."""
+        wait = max((r.timeout_ms for r in reqs), default=0) / 1000
+        r = self._call(
+            _what_node(node, [q.ref for q in reqs]),
+            self._stub.BeginSaveNode,
+            pb.NodeBeginSaveRequest(node=node, ranks=reqs),
+            timeout_s=wait + 30 if wait else None,
+        )
+        for b in r.ranks:
+            if b.lease_ms > 0:
+                self.lease_s = b.lease_ms / 1000
+        return list(r.ranks)
+
+    def keep_alive_node(
+        self, node: str, reqs: Sequence[pb.KeepAliveRequest]
+    ) -> list[pb.SaveStatus]:
+        what = _what_node(node, [q.ref for q in reqs])
+        req = pb.NodeKeepAliveRequest(node=node, ranks=reqs)
+        return list(self._call(what, self._stub.KeepAliveNode, req).ranks)
+
+    def report_shards_node(
+        self, node: str, reqs: Sequence[pb.ReportShardRequest]
+    ) -> list[pb.SaveStatus]:
+        what = _what_node(node, [q.ref for q in reqs])
+        req = pb.NodeReportRequest(node=node, ranks=reqs)
+        return list(self._call(what, self._stub.ReportShardsNode, req, timeout_s=120).ranks)
+
+    def await_commit_pb(self, req: pb.AwaitCommitRequest) -> pb.SaveStatus:
+        ref = cv.ref_from_pb(req.ref)
+        return cv.status_to_pb(self.await_commit(ref, req.timeout_ms / 1000 or 600.0))
+
+    def abort_save_pb(self, req: pb.AbortSaveRequest) -> pb.SaveStatus:
+        return self._call(_what_pb(req.ref), self._stub.AbortSave, req, timeout_s=10)
+
     def keep_alive(self, ref: SaveRef) -> StatusResult:
         return cv.status_from_pb(
             self._call(_what(ref), self._stub.KeepAlive, pb.KeepAliveRequest(ref=cv.ref_to_pb(ref)))
@@ -247,3 +290,15 @@ class CoordinatorClient:
 
 def _what(ref: SaveRef) -> str:
     return f"job {ref.job!r} step {ref.step} rank {ref.rank}/{ref.world_size} generation {ref.generation}"
+
+
+def _what_pb(ref: pb.SaveRef) -> str:
+    return _what(cv.ref_from_pb(ref))
+
+
+def _what_node(node: str, refs: Sequence[pb.SaveRef]) -> str:
+    if not refs:
+        return f"node {node!r}"
+    r = refs[0]
+    ranks = ",".join(str(x.rank) for x in refs[:16]) + ("..." if len(refs) > 16 else "")
+    return f"job {r.job!r} step {r.step} node {node!r} ranks {ranks} generation {r.generation}"

@@ -1,4 +1,8 @@
-"""grpc.aio servicer: convert the request, call the core, convert the answer."""
+"""grpc.aio servicer: convert the request, call the core, convert the answer.
+
+The node-batch RPCs (BeginSaveNode, KeepAliveNode, ReportShardsNode) convert each embedded
+per-rank message exactly as the per-rank RPC does (`_begin_call`, ...) and hand the list to
+the core's node methods (ckptd.coordinator.nodes)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from typing import Any, TypeVar
 import grpc
 
 from ckptd.coordinator.core import Coordinator
+from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.types import SaveRef
 from ckptd.errors import CkptError, StorageError
 from ckptd.server import converters as cv
 from ckptd.server import errors
@@ -20,7 +26,7 @@ log = logging.getLogger("ckptd.server")
 R = TypeVar("R")
 
 
-def _translated(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+def translated(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
     """Send ckptd errors through the error map (code and class); a failed I/O call is
     logged too (the operator must fix the disk); anything else is INTERNAL and logged."""
 
@@ -48,38 +54,52 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, core: Coordinator):
         self.core = core
 
-    @_translated
+    @translated
     async def OpenJob(
         self, request: pb.OpenJobRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenJobResponse:
         generation, job = await self.core.open_job(request.job, request.attempt)
         return pb.OpenJobResponse(generation=generation, job=job)
 
-    @_translated
+    @translated
     async def BeginSave(
         self, request: pb.BeginSaveRequest, context: grpc.aio.ServicerContext
     ) -> pb.BeginSaveResponse:
-        begun = await self.core.begin_save(
-            cv.ref_from_pb(request.ref),
-            [cv.chunk_from_pb(c) for c in request.chunks],
-            part=request.part,
-            parts=max(1, request.parts),
-            state=cv.json_field(request.state, "state"),
-            metadata=cv.json_field(request.metadata, "metadata") or {},
-            allow_divergent=request.allow_divergent_replicas,
-            keep_last=request.keep_last,
-            timeout_s=request.timeout_ms / 1000 if request.timeout_ms else None,
-            parent=cv.parent_from_pb(request),
-        )
-        return cv.begin_to_pb(begun)
+        ref, chunks, kwargs = _begin_call(request)
+        return cv.begin_to_pb(await self.core.begin_save(ref, chunks, **kwargs))
 
-    @_translated
+    @translated
+    async def BeginSaveNode(
+        self, request: pb.NodeBeginSaveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeBeginSaveResponse:
+        begun = await self.core.begin_save_node(
+            request.node, [_begin_call(r) for r in request.ranks]
+        )
+        return pb.NodeBeginSaveResponse(ranks=[cv.begin_to_pb(b) for b in begun])
+
+    @translated
+    async def KeepAliveNode(
+        self, request: pb.NodeKeepAliveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeStatusResponse:
+        refs = [cv.ref_from_pb(r.ref) for r in request.ranks]
+        answers = await self.core.keep_alive_node(request.node, refs)
+        return pb.NodeStatusResponse(ranks=[cv.status_to_pb(a) for a in answers])
+
+    @translated
+    async def ReportShardsNode(
+        self, request: pb.NodeReportRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeStatusResponse:
+        reports = [(cv.ref_from_pb(r.ref), cv.report_from_pb(r)) for r in request.ranks]
+        answers = await self.core.report_shards_node(request.node, reports)
+        return pb.NodeStatusResponse(ranks=[cv.status_to_pb(a) for a in answers])
+
+    @translated
     async def KeepAlive(
         self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext
     ) -> pb.SaveStatus:
         return cv.status_to_pb(await self.core.keep_alive(cv.ref_from_pb(request.ref)))
 
-    @_translated
+    @translated
     async def ReportShard(
         self, request: pb.ReportShardRequest, context: grpc.aio.ServicerContext
     ) -> pb.SaveStatus:
@@ -87,14 +107,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await self.core.report_shard(cv.ref_from_pb(request.ref), cv.report_from_pb(request))
         )
 
-    @_translated
+    @translated
     async def AwaitCommit(
         self, request: pb.AwaitCommitRequest, context: grpc.aio.ServicerContext
     ) -> pb.SaveStatus:
         timeout = request.timeout_ms / 1000 if request.timeout_ms else None
         return cv.status_to_pb(await self.core.await_commit(cv.ref_from_pb(request.ref), timeout))
 
-    @_translated
+    @translated
     async def AbortSave(
         self, request: pb.AbortSaveRequest, context: grpc.aio.ServicerContext
     ) -> pb.SaveStatus:
@@ -102,7 +122,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await self.core.abort_save(cv.ref_from_pb(request.ref), request.reason)
         )
 
-    @_translated
+    @translated
     async def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListCheckpointsResponse:
@@ -110,14 +130,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             checkpoints=[cv.record_to_pb(r) for r in self.core.list_checkpoints(request.job)]
         )
 
-    @_translated
+    @translated
     async def GetCheckpoint(
         self, request: pb.GetCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.CheckpointInfo:
         step = request.step if request.WhichOneof("which") == "step" else None
         return cv.record_to_pb(self.core.get_checkpoint(request.job, step))
 
-    @_translated
+    @translated
     async def Quarantine(
         self, request: pb.QuarantineRequest, context: grpc.aio.ServicerContext
     ) -> pb.CheckpointInfo:
@@ -125,7 +145,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await self.core.quarantine(request.job, request.step, request.reason)
         )
 
-    @_translated
+    @translated
     async def RecordTier(
         self, request: pb.RecordTierRequest, context: grpc.aio.ServicerContext
     ) -> pb.RecordTierResponse:
@@ -133,3 +153,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             request.job, request.step, request.tier, request.url, request.status, request.reason
         )
         return pb.RecordTierResponse()
+
+
+def _begin_call(
+    request: pb.BeginSaveRequest,
+) -> tuple[SaveRef, list[ChunkPlan], dict[str, Any]]:
+    """One rank's BeginSave as the core's arguments (per rank, or embedded in a node batch)."""
+    return (
+        cv.ref_from_pb(request.ref),
+        [cv.chunk_from_pb(c) for c in request.chunks],
+        {
+            "part": request.part,
+            "parts": max(1, request.parts),
+            "state": cv.json_field(request.state, "state"),
+            "metadata": cv.json_field(request.metadata, "metadata") or {},
+            "allow_divergent": request.allow_divergent_replicas,
+            "keep_last": request.keep_last,
+            "timeout_s": request.timeout_ms / 1000 if request.timeout_ms else None,
+            "parent": cv.parent_from_pb(request),
+        },
+    )

@@ -22,6 +22,42 @@ COMMITTED: Status
 ABORTED: Status
 QUARANTINED: Status
 
+class NodeBeginSaveRequest(_message.Message):
+    __slots__ = ("node", "ranks")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    ranks: _containers.RepeatedCompositeFieldContainer[BeginSaveRequest]
+    def __init__(self, node: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[BeginSaveRequest, _Mapping]]] = ...) -> None: ...
+
+class NodeBeginSaveResponse(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[BeginSaveResponse]
+    def __init__(self, ranks: _Optional[_Iterable[_Union[BeginSaveResponse, _Mapping]]] = ...) -> None: ...
+
+class NodeKeepAliveRequest(_message.Message):
+    __slots__ = ("node", "ranks")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    ranks: _containers.RepeatedCompositeFieldContainer[KeepAliveRequest]
+    def __init__(self, node: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[KeepAliveRequest, _Mapping]]] = ...) -> None: ...
+
+class NodeReportRequest(_message.Message):
+    __slots__ = ("node", "ranks")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    ranks: _containers.RepeatedCompositeFieldContainer[ReportShardRequest]
+    def __init__(self, node: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[ReportShardRequest, _Mapping]]] = ...) -> None: ...
+
+class NodeStatusResponse(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[SaveStatus]
+    def __init__(self, ranks: _Optional[_Iterable[_Union[SaveStatus, _Mapping]]] = ...) -> None: ...
+
 class OpenJobRequest(_message.Message):
     __slots__ = ("job", "attempt")
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -84,6 +84,21 @@ class CoordinatorStub:
                 request_serializer=ckptd_dot_v1_dot_coordinator__pb2.RecordTierRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_coordinator__pb2.RecordTierResponse.FromString,
                 _registered_method=True)
+        self.BeginSaveNode = channel.unary_unary(
+                '/ckptd.v1.Coordinator/BeginSaveNode',
+                request_serializer=ckptd_dot_v1_dot_coordinator__pb2.NodeBeginSaveRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_coordinator__pb2.NodeBeginSaveResponse.FromString,
+                _registered_method=True)
+        self.KeepAliveNode = channel.unary_unary(
+                '/ckptd.v1.Coordinator/KeepAliveNode',
+                request_serializer=ckptd_dot_v1_dot_coordinator__pb2.NodeKeepAliveRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_coordinator__pb2.NodeStatusResponse.FromString,
+                _registered_method=True)
+        self.ReportShardsNode = channel.unary_unary(
+                '/ckptd.v1.Coordinator/ReportShardsNode',
+                request_serializer=ckptd_dot_v1_dot_coordinator__pb2.NodeReportRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_coordinator__pb2.NodeStatusResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -166,6 +181,32 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginSaveNode(self, request, context):
+        """Node batches (docs/coordinator.md, "Nodes, not ranks"): a node's aggregator (on its
+        local rank 0) gathers the per-rank messages above from its node's ranks and sends
+        them in one call; each embedded message is handled as if its rank had sent it. A rank
+        belongs to one node per save: a batch naming a rank another node sent is refused.
+        BeginSave's last part of each rank; the answers in the requests' order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAliveNode(self, request, context):
+        """The node's live ranks renew their leases in one call (the aggregator lists only the
+        ranks it heard from within the lease).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportShardsNode(self, request, context):
+        """The node's shard reports, recorded in one catalog transaction.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -218,6 +259,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RecordTier,
                     request_deserializer=ckptd_dot_v1_dot_coordinator__pb2.RecordTierRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_coordinator__pb2.RecordTierResponse.SerializeToString,
+            ),
+            'BeginSaveNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginSaveNode,
+                    request_deserializer=ckptd_dot_v1_dot_coordinator__pb2.NodeBeginSaveRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_coordinator__pb2.NodeBeginSaveResponse.SerializeToString,
+            ),
+            'KeepAliveNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAliveNode,
+                    request_deserializer=ckptd_dot_v1_dot_coordinator__pb2.NodeKeepAliveRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_coordinator__pb2.NodeStatusResponse.SerializeToString,
+            ),
+            'ReportShardsNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportShardsNode,
+                    request_deserializer=ckptd_dot_v1_dot_coordinator__pb2.NodeReportRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_coordinator__pb2.NodeStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -490,6 +546,87 @@ class Coordinator:
             '/ckptd.v1.Coordinator/RecordTier',
             ckptd_dot_v1_dot_coordinator__pb2.RecordTierRequest.SerializeToString,
             ckptd_dot_v1_dot_coordinator__pb2.RecordTierResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginSaveNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Coordinator/BeginSaveNode',
+            ckptd_dot_v1_dot_coordinator__pb2.NodeBeginSaveRequest.SerializeToString,
+            ckptd_dot_v1_dot_coordinator__pb2.NodeBeginSaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAliveNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Coordinator/KeepAliveNode',
+            ckptd_dot_v1_dot_coordinator__pb2.NodeKeepAliveRequest.SerializeToString,
+            ckptd_dot_v1_dot_coordinator__pb2.NodeStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportShardsNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Coordinator/ReportShardsNode',
+            ckptd_dot_v1_dot_coordinator__pb2.NodeReportRequest.SerializeToString,
+            ckptd_dot_v1_dot_coordinator__pb2.NodeStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -118,6 +118,8 @@ class Checkpointer:
             tls_client_cert=tls_client_cert,
         )
         self.client = self._conn.client
+        assert self._conn.save_client is not None
+        self._save_client = self._conn.save_client  # the node's aggregator, or self.client
         self.address, self.attempt = self._conn.address, self._conn.attempt
         self.generation, self.job_name = self._conn.generation, self._conn.job_name
         self.storage = open_storage(self.path, create=True)
@@ -243,7 +245,9 @@ class Checkpointer:
             )
         except BaseException as e:
             # The other ranks must not wait for this one at the barrier.
-            RankSave(self.client, ref, timeout_s=self.timeout_s).abort(f"{type(e).__name__}: {e}")
+            RankSave(self._save_client, ref, timeout_s=self.timeout_s).abort(
+                f"{type(e).__name__}: {e}"
+            )
             raise
         del leaves  # the staged copy is what gets saved; the caller's tensors are free
         staging_s = time.perf_counter() - t1
@@ -314,7 +318,7 @@ class Checkpointer:
         if isinstance(parent, _Unset):
             # Nothing saved or loaded here yet: the state continues the job's live line.
             parent = ckfmt.latest_step(self.storage)
-        save = RankSave(self.client, job.ref, timeout_s=self.timeout_s)
+        save = RankSave(self._save_client, job.ref, timeout_s=self.timeout_s)
         try:
             digests = job.digests()
         except BaseException as e:

@@ -6,19 +6,31 @@ address (zero-config), one process hosts an embedded coordinator: the process it
 when it is alone, else rank 0, which publishes the address, token and attempt in the
 process group's key-value store for the others (a key-value service, not a collective:
 a slow rank never blocks another's training).
+
+Under torchrun with more than one rank per node (LOCAL_WORLD_SIZE > 1), each node's local
+rank 0 also hosts the node's aggregator (ckptd.server.node) on 127.0.0.1 and publishes its
+port in the store; the node's ranks then speak the save protocol to it (`save_client`), and
+it makes one RPC per node and phase to the coordinator. Zero configuration, with either
+coordinator; CKPT_NODE_AGGREGATOR=0 opts out (every rank talks to the coordinator).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import socket
 import uuid
+from typing import Any
 
 from ckpt import _world
 from ckpt._embedded import EmbeddedCoordinator
 from ckptd.errors import CkptError
 from ckptd.server.client import CoordinatorClient
+from ckptd.server.node import NodeAggregator
+
+log = logging.getLogger("ckpt")
 
 
 @dataclasses.dataclass
@@ -31,8 +43,19 @@ class Connection:
     generation: int
     job_name: str
     embedded: EmbeddedCoordinator | None
+    # The save protocol's client: the node's aggregator, or `client` itself.
+    save_client: CoordinatorClient | None = None
+    aggregator: NodeAggregator | None = None  # hosted here (local rank 0 of a node)
+
+    def __post_init__(self) -> None:
+        if self.save_client is None:
+            self.save_client = self.client
 
     def close(self) -> None:
+        if self.save_client is not self.client and self.save_client is not None:
+            self.save_client.close()
+        if self.aggregator is not None:
+            self.aggregator.close()
         self.client.close()
         if self.embedded is not None:
             self.embedded.close()
@@ -81,7 +104,71 @@ def connect(
         if embedded is not None:
             embedded.close()
         raise
-    return Connection(client, address, attempt, generation, job_name, embedded)
+    conn = Connection(client, address, attempt, generation, job_name, embedded)
+    try:
+        _join_node(conn, path, rank, world_size, token)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def node_of(rank: int, world_size: int) -> tuple[str, list[int]] | None:
+    """This rank's node (name, its ranks) when its ranks should batch through an
+    aggregator: under torchrun with LOCAL_WORLD_SIZE > 1, unless CKPT_NODE_AGGREGATOR=0."""
+    if os.environ.get("CKPT_NODE_AGGREGATOR", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    if local_world <= 1 or world_size <= 1 or not 0 <= local_rank < local_world:
+        return None
+    first = rank - local_rank  # torchrun numbers a node's ranks contiguously
+    group = os.environ.get("GROUP_RANK") or str(first // local_world)
+    ranks = list(range(first, first + local_world))
+    if first < 0 or ranks[-1] >= world_size:
+        return None
+    return f"{socket.gethostname()}/node{group}", ranks
+
+
+def _join_node(conn: Connection, path: str, rank: int, world_size: int, token: str | None) -> None:
+    """Host (local rank 0) or find this node's aggregator, through the process group's store."""
+    node = node_of(rank, world_size)
+    store = _world.dist_store() if node is not None else None
+    if node is None or store is None:
+        return
+    name, ranks = node
+    key = f"ckptd/node/{path}/{conn.attempt}/{name}"
+    if rank == ranks[0]:
+        try:
+            conn.aggregator = NodeAggregator(conn.client, name, ranks, token=token)
+        except (OSError, CkptError) as e:
+            store.set(key, json.dumps({"error": str(e)}))  # type: ignore[attr-defined]
+            raise
+        info: dict[str, Any] = {"address": conn.aggregator.address, "ranks": ranks}
+        store.set(key, json.dumps(info))  # type: ignore[attr-defined]
+    else:
+        info = json.loads(store.get(key))  # type: ignore[attr-defined]
+        if "error" in info:
+            raise CkptError(
+                f"job {path!r} rank {rank}: local rank 0 of node {name!r} could not host the "
+                f"node's aggregator: {info['error']} (CKPT_NODE_AGGREGATOR=0 opts out)"
+            )
+        if rank not in info["ranks"]:
+            log.warning(
+                "job %r rank %d: node %s's aggregator serves ranks %s, not this one; saving "
+                "directly through the coordinator",
+                path,
+                rank,
+                name,
+                info["ranks"],
+            )
+            return
+    conn.save_client = CoordinatorClient(
+        info["address"], token=token, retry_for_s=conn.client.retry_for_s
+    )
 
 
 def _zero_config(

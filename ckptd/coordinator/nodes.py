@@ -1,0 +1,118 @@
+"""Node batches: the coordinator sees nodes, not ranks (docs/coordinator.md).
+
+A node's aggregator (ckptd.server.node, on the node's local rank 0) sends its ranks'
+BeginSave, KeepAlive and ReportShard messages in one call per phase. Each embedded message
+is handled by the per-rank method the rank would have called (`begin_save`, `keep_alive`,
+`report_shard`): the commit protocol, fencing (every message carries its rank's
+generation) and divergence detection stay in one place, the core; this module only checks
+the batch and runs its ranks together, so that one RPC, one event-loop wake-up and one
+catalog transaction (the catalog's group commit) serve a node.
+
+A batch is refused whole, naming the node and the rank, when it is malformed: empty,
+larger than MAX_NODE_RANKS, ranks of different saves, a rank twice. A rank belongs to one
+node per save (Session.claim): a batch carrying a rank that another node already spoke for
+aborts the save, since two processes then claim to be that rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport, StatusResult
+from ckptd.errors import InvalidRequest
+from ckptd.faults import crash_point
+
+# Ranks in one node batch: a node holds 8 GPUs today, a few dozen processes at most.
+MAX_NODE_RANKS = 256
+MAX_NODE_NAME = 256
+T = TypeVar("T")
+
+
+def check_batch(node: str, refs: Sequence[SaveRef], what: str) -> None:
+    """Refuse a malformed batch from `node`, naming the node and the offending rank."""
+    if not isinstance(node, str) or not node or len(node) > MAX_NODE_NAME or "\0" in node:
+        raise InvalidRequest(
+            f"{what} batch: node name {str(node)[:80]!r} must be 1..{MAX_NODE_NAME} characters "
+            "without NUL (the aggregator sends its host and node rank)"
+        )
+    if not refs:
+        raise InvalidRequest(f"node {node!r}: empty {what} batch (it must carry >= 1 rank)")
+    if len(refs) > MAX_NODE_RANKS:
+        raise InvalidRequest(
+            f"node {node!r}: {what} batch of {len(refs)} ranks (ranks {refs[0].rank}.."
+            f"{refs[-1].rank}), over the limit of {MAX_NODE_RANKS} ranks a node; one "
+            "aggregator serves one node's local ranks (LOCAL_WORLD_SIZE)"
+        )
+    first = refs[0]
+    seen: set[int] = set()
+    for ref in refs:
+        if (ref.job, ref.step, ref.generation, ref.world_size) != (
+            first.job,
+            first.step,
+            first.generation,
+            first.world_size,
+        ):
+            raise InvalidRequest(
+                f"node {node!r}: {what} batch mixes saves: rank {ref.rank} names job "
+                f"{ref.job!r} step {ref.step} generation {ref.generation} world {ref.world_size}, "
+                f"rank {first.rank} job {first.job!r} step {first.step} generation "
+                f"{first.generation} world {first.world_size}; one batch is one save"
+            )
+        if ref.rank in seen:
+            raise InvalidRequest(
+                f"node {node!r}: {what} batch carries rank {ref.rank} twice (job {ref.job!r} "
+                f"step {ref.step})"
+            )
+        seen.add(ref.rank)
+
+
+async def _all(calls: Sequence[Awaitable[T]]) -> list[T]:
+    """Every call's answer in order; the first failure once all are done (the calls of a
+    node's ranks run to their end: a rank's barrier wait is not cut short by a sibling)."""
+    out = await asyncio.gather(*calls, return_exceptions=True)
+    for x in out:
+        if isinstance(x, BaseException):
+            raise x
+    return out  # type: ignore[return-value]
+
+
+class Nodes:
+    """The node-batch RPCs of the Coordinator: each calls the per-rank methods below."""
+
+    # The core's per-rank BeginSave (its keyword arguments as the servicer passes them).
+    begin_save: Callable[..., Awaitable[BeginResult]]
+
+    async def keep_alive(self, ref: SaveRef, node: str | None = None) -> StatusResult:
+        raise NotImplementedError
+
+    async def report_shard(
+        self, ref: SaveRef, report: ShardReport, node: str | None = None
+    ) -> StatusResult:
+        raise NotImplementedError
+
+    async def begin_save_node(
+        self, node: str, calls: Sequence[tuple[SaveRef, Sequence[ChunkPlan], dict[str, Any]]]
+    ) -> list[BeginResult]:
+        """The last BeginSave part of each of a node's ranks; answers in the same order."""
+        check_batch(node, [ref for ref, _, _ in calls], "BeginSave")
+        crash_point("coordinator.node_begin")
+        return await _all(
+            [self.begin_save(ref, chunks, node=node, **kw) for ref, chunks, kw in calls]
+        )
+
+    async def keep_alive_node(self, node: str, refs: Sequence[SaveRef]) -> list[StatusResult]:
+        """The node's live ranks renew their leases (one lease a node: one call)."""
+        check_batch(node, refs, "KeepAlive")
+        return await _all([self.keep_alive(ref, node=node) for ref in refs])
+
+    async def report_shards_node(
+        self, node: str, reports: Sequence[tuple[SaveRef, ShardReport]]
+    ) -> list[StatusResult]:
+        """The node's shard reports; their catalog rows share one transaction."""
+        check_batch(node, [ref for ref, _ in reports], "ReportShard")
+        out = await _all([self.report_shard(ref, rep, node=node) for ref, rep in reports])
+        crash_point("coordinator.after_node_reports")
+        return out
