@@ -312,10 +312,14 @@ class Coordinator(Recovery, Queries, Nodes):
                     f"job {job!r} step {ref.step} ({layout.step_dir(ref.step)}) is already "
                     "committed; save under a new step"
                 )
-            if rec is not None and rec.generation == ref.generation and rec.status == ABORTED:
-                ended = self.finished.get((job, ref.step, ref.generation))
-                raise (ended.abort_kind if ended else SaveAborted)(
-                    f"job {job!r} step {ref.step}: the save was aborted ({rec.reason})"
+            # The save this generation ended: ended here (its abort may not be in the
+            # catalog yet: a sibling rank of a node batch arrives meanwhile), or before.
+            ended = self.finished.get((job, ref.step, ref.generation))
+            gone = ended if ended is not None and ended.status == ABORTED else None
+            if gone or (rec and rec.generation == ref.generation and rec.status == ABORTED):
+                raise (gone.abort_kind if gone else SaveAborted)(
+                    f"job {job!r} step {ref.step}: the save was aborted "
+                    f"({gone.reason if gone else rec.reason if rec else ''})"
                 )
             if self.storage(job).exists(f"{layout.step_dir(ref.step)}/{layout.MANIFEST_NAME}"):
                 raise CheckpointExists(
