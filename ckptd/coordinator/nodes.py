@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport, StatusResult
 from ckptd.errors import InvalidRequest
-from ckptd.faults import crash_point
 
 # Ranks in one node batch: a node holds 8 GPUs today, a few dozen processes at most.
 MAX_NODE_RANKS = 256
@@ -98,7 +97,6 @@ class Nodes:
     ) -> list[BeginResult]:
         """The last BeginSave part of each of a node's ranks; answers in the same order."""
         check_batch(node, [ref for ref, _, _ in calls], "BeginSave")
-        crash_point("coordinator.node_begin")
         return await _all(
             [self.begin_save(ref, chunks, node=node, **kw) for ref, chunks, kw in calls]
         )
@@ -113,6 +111,4 @@ class Nodes:
     ) -> list[StatusResult]:
         """The node's shard reports; their catalog rows share one transaction."""
         check_batch(node, [ref for ref, _ in reports], "ReportShard")
-        out = await _all([self.report_shard(ref, rep, node=node) for ref, rep in reports])
-        crash_point("coordinator.after_node_reports")
-        return out
+        return await _all([self.report_shard(ref, rep, node=node) for ref, rep in reports])

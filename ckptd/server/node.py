@@ -41,7 +41,6 @@ from typing import Any, Protocol
 import grpc
 
 from ckptd.errors import CkptError, InvalidRequest, SaveAborted
-from ckptd.faults import crash_point
 from ckptd.server.auth import TokenAuthInterceptor
 from ckptd.server.client import CoordinatorClient
 from ckptd.server.servicer import translated
@@ -215,7 +214,6 @@ class NodeBatcher:
             s.lease_s = s.lease_s or a.lease_ms / 1000
         if s.pinger is None and s.lease_s > 0:
             s.pinger = asyncio.get_running_loop().create_task(self._ping(s))
-        crash_point("node.after_begin")
         for f, a in zip(futs, answers, strict=True):
             if not f.done():
                 f.set_result(a)
@@ -223,7 +221,6 @@ class NodeBatcher:
     async def _send_reports(
         self, s: _Save, ranks: list[int], reqs: list[Any], futs: list[asyncio.Future[Any]]
     ) -> None:
-        crash_point("node.before_reports")
         try:
             answers = list(await self.upstream.report_shards_node(self.node, reqs))
             if len(answers) != len(reqs):
