@@ -254,3 +254,100 @@ def test_host_b_dies_mid_save_is_started_again_and_the_job_ends_bit_identical(
     assert not cmp["differ"], cmp["differ"]
     assert float(cmp["loss_a"]).hex() == float(cmp["loss_b"]).hex()
     assert cmp["model_tensors"] > 0 and cmp["chunks"] > 0
+
+
+SERVED = """
+import datetime, json, os, sys
+import torch, torch.distributed as dist
+import ckpt
+
+job, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+ca = open(os.environ["TWO_HOSTS_CA"], "rb").read()  # CKPTD_ADDRESS / CKPTD_TOKEN: from the env
+w = torch.arange(6, dtype=torch.float32) + 10 * rank
+with ckpt.Checkpointer(job, timeout_s=60, tls_root_cert=ca) as cp:
+    for step in (1, 2):
+        cp.save({"w": ckpt.PerRank(w * step), "step": step}, step).wait()
+    address = cp.address
+dist.barrier()
+state = {"w": ckpt.PerRank(torch.zeros(6)), "step": 0}
+with ckpt.Checkpointer(job, timeout_s=60, tls_root_cert=ca) as cp:
+    resumed = cp.resume(state)
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump({"address": address, "resumed": resumed, "step": state["step"],
+               "w": state["w"].value.tolist(), "expected": (w * 2).tolist()}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_ckptd_serve_with_token_and_tls_on_a_third_host(
+    three_hosts: list[netns.Host], tmp_path: Path
+) -> None:
+    a, b, s = three_hosts
+    pki = tmp_path / "pki"
+    if make_certs(pki, server_names=f"IP:{s.addr}") is None:
+        pytest.skip("no openssl CLI to make test certificates")
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "token").write_text(TOKEN)
+    (tmp_path / "served.py").write_text(SERVED)
+    port_file = tmp_path / "port"
+    serve_log = tmp_path / "serve.log"
+    with open(serve_log, "wb") as f:
+        server = subprocess.Popen(
+            s.argv(
+                sys.executable,
+                "-m",
+                "ckptd.cli.serve",
+                "serve",
+                "--root",
+                str(root),
+                "--create-root",
+                "--listen",
+                f"{s.addr}:7070",
+                "--token-file",
+                str(tmp_path / "token"),
+                "--tls-cert",
+                str(pki / "server.pem"),
+                "--tls-key",
+                str(pki / "server.key"),
+                "--lease",
+                "10",
+                "--port-file",
+                str(port_file),
+            ),
+            env=child_env(),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+    nodes: list[subprocess.Popen[str]] = []
+    try:
+        _wait_for(port_file.exists, 60, "ckptd serve to listen", serve_log.read_text)
+        env = node_env(
+            CKPTD_ADDRESS=f"{s.addr}:7070", CKPTD_TOKEN=TOKEN, TWO_HOSTS_CA=str(pki / "ca.pem")
+        )
+        script = [str(tmp_path / "served.py"), str(root / "job"), str(out)]
+        nodes = [
+            subprocess.Popen(
+                torchrun(h, a, script),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for h in (a, b)
+        ]
+        logs = [p.communicate(timeout=180)[0] for p in nodes]
+        assert [p.returncode for p in nodes] == [0, 0], "\n".join(x[-4000:] for x in logs)
+    finally:
+        for p in (*nodes, server):
+            p.kill()
+        server.communicate()
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        assert r["address"] == f"{s.addr}:7070"
+        assert r["resumed"] == 2 and r["step"] == 2 and r["w"] == r["expected"], results
+    assert results[0]["w"] != results[1]["w"]  # each rank got its own shard back
+    catalog = read_catalog(root / ".ckptd" / "catalog.sqlite")
+    assert {catalog[1]["status"], catalog[2]["status"]} == {"COMMITTED"}, catalog
