@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -180,6 +179,7 @@ def test_zero_config_coordinator_is_reached_from_the_other_host(
         host.communicate()
 
 
+@pytest.mark.slow  # about 100 s: two launches, a rendezvous wait, and the reference run
 def test_host_b_dies_mid_save_is_started_again_and_the_job_ends_bit_identical(
     two_hosts: list[netns.Host], tmp_path: Path, tally: Any
 ) -> None:
