@@ -563,8 +563,10 @@ def process_state(pid: int) -> str:
 # ----------------------------------------------------------------------------- certificates
 
 
-def make_certs(d: Path) -> dict[str, bytes] | None:
-    """A CA, a server cert for localhost/127.0.0.1 and a client cert, with the openssl CLI."""
+def make_certs(
+    d: Path, server_names: str = "DNS:localhost,IP:127.0.0.1"
+) -> dict[str, bytes] | None:
+    """A CA, a server cert for `server_names` (subjectAltName) and a client cert, with openssl."""
     import shutil
 
     openssl = shutil.which("openssl")
@@ -589,9 +591,7 @@ def make_certs(d: Path) -> dict[str, bytes] | None:
         "-subj",
         "/CN=ckptd-test-ca",
     )
-    (d / "server.ext").write_text(
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"
-    )
+    (d / "server.ext").write_text(f"subjectAltName={server_names}\nextendedKeyUsage=serverAuth\n")
     (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
     for who in ("server", "client", "rogue"):
         ossl(

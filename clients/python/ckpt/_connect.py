@@ -5,7 +5,8 @@ agree on the attempt through the process group's store when nothing names it. Wi
 address (zero-config), one process hosts an embedded coordinator: the process itself
 when it is alone, else rank 0, which publishes the address, token and attempt in the
 process group's key-value store for the others (a key-value service, not a collective:
-a slow rank never blocks another's training).
+a slow rank never blocks another's training). Under torchrun with a store per round,
+rank 0 names every launch afresh too (a replaced node counts its restarts from 0).
 
 Under torchrun with more than one rank per node (LOCAL_WORLD_SIZE > 1), each node's local
 rank 0 also hosts the node's aggregator (ckptd.server.node) on 127.0.0.1 and publishes its
@@ -77,7 +78,10 @@ def connect(
     """Find (or host) the coordinator of job `path` and open the job under this attempt."""
     address = address or os.environ.get("CKPTD_ADDRESS")
     token = token if token is not None else os.environ.get("CKPTD_TOKEN")
-    attempt = _world.attempt_id(attempt, world_size)
+    # None: rank 0 names the launch and the others take its name from the store.
+    attempt = (
+        None if _world.rank0_names_attempt(attempt) else _world.attempt_id(attempt, world_size)
+    )
     embedded: EmbeddedCoordinator | None = None
     if address is None:
         address, token, attempt, embedded = _zero_config(

@@ -5,6 +5,9 @@ under torchrun) runs `ckptd`'s coordinator core and server on an event loop in a
 thread, bound to 127.0.0.1 (single node) or all interfaces (several nodes), with a random
 token. Other ranks learn the address and token through torch.distributed's store, which
 is a key-value service, not a collective: a slow rank never blocks another's training.
+Across nodes it advertises the address this host reaches the job's store ($MASTER_ADDR)
+from: every rank reaches that network already, which the host name's address (often one
+of a management network, or 127.0.1.1 from /etc/hosts) need not be.
 
 The catalog lives where `JobLocation.catalog_path` says: `<job>/.ckptd/catalog.sqlite`
 when the job directory is on a local, writable filesystem, else (a network filesystem, a
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -176,6 +180,19 @@ class EmbeddedCoordinator:
 
 
 def _reachable_host() -> str:
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            family, _, _, _, sockaddr = socket.getaddrinfo(master, 1, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                # A datagram socket's connect sends nothing: the kernel only picks the route,
+                # and with it the source address the other nodes see this host by.
+                probe.connect(sockaddr)
+                addr = str(probe.getsockname()[0])
+            if addr and not addr.startswith("127.") and addr != "::1":
+                return f"[{addr}]" if family == socket.AF_INET6 else addr
+        except OSError:
+            pass  # MASTER_ADDR does not resolve or route here: fall back to the host name
     name = socket.gethostname()
     try:
         return socket.gethostbyname(name)

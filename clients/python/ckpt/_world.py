@@ -7,7 +7,8 @@ The attempt names one launch of the job (a torchelastic restart is a new attempt
 coordinator maps it to a generation, so a rank of an earlier attempt is fenced. It is,
 in order: the user's `attempt=`, $CKPT_ATTEMPT, torchelastic's run id + restart count,
 or, for one process, a fresh random id (every Checkpointer of one process is its own
-attempt). PROCESS_ATTEMPT names this process for the integrations, whose connections
+attempt). Under torchrun with a store per round, rank 0 names each launch afresh and the
+others take its name from the store (see rank0_names_attempt). PROCESS_ATTEMPT names this process for the integrations, whose connections
 outlive one save and must not fence each other.
 """
 
@@ -52,6 +53,26 @@ def attempt_id(explicit: str | None, world: int) -> str | None:
     if world == 1:
         return f"process-{uuid.uuid4()}"
     return None
+
+
+def rank0_names_attempt(explicit: str | None) -> bool:
+    """Whether rank 0 names this launch afresh, in a store of the round's own, for all.
+
+    torchrun's restart count does not name a launch across nodes: it is each node's agent's
+    (a node started again counts from 0 while the others count on), and a restart because
+    a node joined or left is not counted at all (the next launch has the last one's name,
+    and its generation). With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every rendezvous round
+    has a store of its own (rank 0's worker hosts it; torchrun sets
+    TORCHELASTIC_USE_AGENT_STORE=False) that holds no earlier round's key: rank 0 puts a
+    fresh name there and the others take it. In torchrun's shared store the count stays
+    the name (a key of an earlier round is still there; torch's own keys are scoped by it).
+    """
+    return (
+        not explicit
+        and not os.environ.get("CKPT_ATTEMPT")
+        and "TORCHELASTIC_RUN_ID" in os.environ
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False"
+    )
 
 
 def dist_store() -> object | None:
