@@ -132,7 +132,10 @@ class CoordinatorClient:
                     raise self.unavailable(what, f"{code.name}: {details}") from None
                 self.reached = True  # it answered, with an error of its own
                 trailers = e.trailing_metadata() if isinstance(e, grpc.Call) else None
-                raise error_from(code, f"{what}: {details}", trailers, where=self.address) from None
+                # A message that already names its save (the coordinator's, or one passed
+                # on by a node's aggregator) is whole: a prefix per hop would repeat it.
+                msg = details if details.startswith("job ") else f"{what}: {details}"
+                raise error_from(code, msg, trailers, where=self.address) from None
 
     # -- RPCs --------------------------------------------------------------------------
     def open_job(self, job: str, attempt: str) -> tuple[int, str]:
