@@ -33,6 +33,7 @@ from coordinator_fixtures import (
     RankSim,
     Serve,
     ckptctl_json,
+    free_port,
     new_core,
     read_catalog,
     run,
@@ -58,7 +59,11 @@ COORDINATOR_POINTS = {
     "coordinator.after_manifest_rename": 2,  # committed on storage: the restart records it
     "coordinator.after_catalog_commit": 2,  # committed; the ranks' retries are told so
     "coordinator.during_retention": 2,  # retiring an older step after committing the new one
+    # Node batches only (the ranks save through their node's aggregator):
+    "coordinator.node_batch_unanswered": 1,  # planned, the BeginSaveNode not answered: aborts
+    "coordinator.mid_node_reports": 1,  # the node's reports checked, no row durable: aborts
 }
+NODE_POINTS = ("coordinator.node_batch_unanswered", "coordinator.mid_node_reports")
 
 _ctx: Any = None
 _SCRUB = ("CKPT_", "CKPTD_", "TORCHELASTIC_")
@@ -130,6 +135,7 @@ def fork_rank(
     address: str,
     attempt: str,
     token: str = TOKEN,
+    env: dict[str, str] | None = None,
     tag: str = "",
 ) -> Rank:
     """start_rank's rank, forked from a forkserver with torch already imported."""
@@ -145,6 +151,7 @@ def fork_rank(
         "CKPTD_TOKEN": token,
         "CKPT_ATTEMPT": attempt,
         "PYTHONUNBUFFERED": "1",
+        **(env or {}),
     }
     argv = ["plain_rank.py", str(spec_path), str(out)]
     p = _forkserver().Process(target=_forked_rank_main, args=(argv, str(log), env), daemon=True)
@@ -180,9 +187,25 @@ class Job:
         only: dict[int, list[dict[str, Any]]] | None = None,
         keep_last: int | None = None,
         timeout_s: float = 60,
+        node: bool = False,
     ) -> list[Rank]:
-        """Start `world` ranks doing `actions` (rank r does only[r] instead, if given)."""
+        """Start `world` ranks doing `actions` (rank r does only[r] instead, if given).
+        node: the ranks are one node of a gloo process group (LOCAL_WORLD_SIZE = world),
+        so they save through their node's aggregator (node batches), as under torchrun."""
         start = fork_rank if self.fork else start_rank
+        port = free_port() if node else 0
+
+        def node_env(r: int) -> dict[str, str]:
+            if not node:
+                return {}
+            return {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(world),
+                "GROUP_RANK": "0",
+            }
+
         ranks = [
             start(
                 self.tmp,
@@ -191,12 +214,14 @@ class Job:
                     "lease_s": lease_s,
                     "timeout_s": timeout_s,
                     "keep_last": keep_last,
+                    "process_group": node,
                     "actions": (only or {}).get(r, actions),
                 },
                 rank=r,
                 world=world,
                 address=serve.address,
                 attempt=attempt,
+                env=node_env(r),
                 tag=tag,
             )
             for r in range(world)

@@ -20,6 +20,7 @@ import pytest
 from coordinator_fixtures import ckptctl, read_catalog, step_files, wait_for
 from crash_harness import (
     COORDINATOR_POINTS,
+    NODE_POINTS,
     RANK_POINTS,
     Job,
     check_invariant,
@@ -89,8 +90,19 @@ def test_rank_killed_at(point: str, fx: Job, tally, monkeypatch: pytest.MonkeyPa
     assert serve.stop() == 0
 
 
-@pytest.mark.parametrize("point", list(COORDINATOR_POINTS))
-def test_coordinator_killed_at(point: str, fx: Job, tally, monkeypatch: pytest.MonkeyPatch) -> None:
+# Each coordinator point with the ranks calling the coordinator themselves, and again with
+# them saving through their node's aggregator (node batches): a restart mid-save must end
+# in the same states either way. The node-batch points exist only in the latter.
+COORDINATOR_CASES = [
+    *((p, "per-rank") for p in COORDINATOR_POINTS if p not in NODE_POINTS),
+    *((p, "node") for p in COORDINATOR_POINTS),
+]
+
+
+@pytest.mark.parametrize(("point", "protocol"), COORDINATOR_CASES)
+def test_coordinator_killed_at(
+    point: str, protocol: str, fx: Job, tally, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # during_retention needs an older step to retire: keep the newest 2 of 1, 2, 3.
     retention = point == "coordinator.during_retention"
     old = [1, 2] if retention else [1]
@@ -98,9 +110,10 @@ def test_coordinator_killed_at(point: str, fx: Job, tally, monkeypatch: pytest.M
     keep = 2 if retention else None
     fx.save_in_process(old, keep_last=keep or 0)
     serve = fx.serve(lease_s=30)
-    with tally.fault(f"crash:{point}"):
+    node = protocol == "node"
+    with tally.fault(f"crash:{point}" + (" (node batches)" if node else "")):
         serve.start(env={"CKPT_CRASH_AT": point})
-        ranks = fx.launch(serve, "a1", [_save(new)], keep_last=keep)
+        ranks = fx.launch(serve, "a1", [_save(new)], keep_last=keep, node=node)
         assert serve.wait_dead(60) == -signal.SIGKILL, serve.log()
         serve.start()  # recovery: finish or abort what the killed life left
         codes = wait_all(ranks, fx)

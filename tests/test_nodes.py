@@ -213,3 +213,23 @@ def test_a_killed_aggregator_is_a_dead_node(tmp_path: Path, tally) -> None:
         reason = rows[2]["reason"]
         assert "rank(s) 2" in reason and "node1" in reason, reason
         assert not (job / "step-000000000002" / "MANIFEST.json").exists()
+
+
+def test_an_error_through_the_aggregator_names_the_save_once(server, tally) -> None:
+    """The coordinator's error reaches the rank through the aggregator's client and the
+    rank's own: it says "job ... step ... rank" once, not once per hop."""
+    s, client, job = server
+    agg = NodeAggregator(client, "host-a/node0", [0], token=None)
+    rank_client = CoordinatorClient(agg.address, connect_retry_s=2)
+    bad = begin_req(job, 0, 2)
+    bad.chunks[0].dtype = "no-such-dtype"
+    try:
+        with tally.bad_input("aggregator: error passed through"):
+            with pytest.raises(InvalidRequest) as err:
+                rank_client.begin_save_pb(bad)
+        msg = str(err.value)
+        assert msg.count(f"job {job!r}") == 1 and msg.count(" step 1") == 1, msg
+        assert "rank 0" in msg and "no-such-dtype" in msg, msg
+    finally:
+        rank_client.close()
+        agg.close()

@@ -8,7 +8,7 @@ truth for what is committed (promise 6): `rebuild_from_storage` recreates the ca
 from manifests alone.
 
 Every statement is here: the core records a save's life through typed methods
-(`record_begin`, `record_draft`, `record_report`, `mark_committing`, `mark_committed`,
+(`record_begin`, `record_draft`, `record_reports`, `mark_committing`, `mark_committed`,
 `mark_aborted`, `mark_quarantined`, `record_tier`, `add_retiring`, `forget_retired`,
 `set_generation`, and `found_job` for a rebuild), each one durable
 transaction shared with whatever else is queued (group commit).
@@ -33,6 +33,7 @@ import os
 import socket
 import sqlite3
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -338,17 +339,16 @@ class Catalog:
             )
         )
 
-    async def record_report(
-        self, job: str, step: int, generation: int, rank: int, report: ShardReport
-    ) -> None:
-        """A rank's checked shard report, durable before the rank is told it was accepted."""
-        await self._write(
-            (
-                "INSERT OR REPLACE INTO reports (job, step, generation, rank, report) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (job, step, generation, rank, json.dumps(dataclasses.asdict(report))),
+    async def record_reports(self, rows: Sequence[tuple[str, int, int, int, ShardReport]]) -> None:
+        """Checked shard reports (job, step, generation, rank, report), durable before
+        their ranks are told they were accepted: a node's reports in one transaction."""
+        if rows:
+            await self._write(
+                *(
+                    (_RECORD_REPORT, (job, step, gen, rank, _report_json(rep)))
+                    for job, step, gen, rank, rep in rows
+                )
             )
-        )
 
     async def mark_committing(self, job: str, step: int, generation: int) -> None:
         await self._write(
@@ -523,6 +523,15 @@ def now() -> float:
 
 
 _SET_GENERATION = "INSERT OR REPLACE INTO jobs (job, generation) VALUES (?, ?)"
+_RECORD_REPORT = (
+    "INSERT OR REPLACE INTO reports (job, step, generation, rank, report) VALUES (?, ?, ?, ?, ?)"
+)
+_REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(ShardReport))
+
+
+def _report_json(rep: ShardReport) -> str:
+    """A report's row (what `reports` reads back); flat, so no dataclasses.asdict walk."""
+    return json.dumps({f: getattr(rep, f) for f in _REPORT_FIELDS})
 
 
 def _forget_reports(job: str, step: int, generation: int) -> tuple[str, tuple[Any, ...]]:

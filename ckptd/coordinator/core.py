@@ -34,6 +34,7 @@ from ckptd.coordinator.catalog import Catalog, SaveRecord
 from ckptd.coordinator.nodes import Nodes
 from ckptd.coordinator.queries import Queries
 from ckptd.coordinator.recovery import Recovery, Skipped
+from ckptd.coordinator.reports import Reports
 from ckptd.coordinator.session import (
     STEP_MISMATCH_GRACE_S,
     RankPlan,
@@ -52,7 +53,6 @@ from ckptd.coordinator.types import (
     OPEN,
     BeginResult,
     SaveRef,
-    ShardReport,
     StatusResult,
 )
 from ckptd.errors import (
@@ -79,7 +79,7 @@ MAX_FINISHED_SAVES = 256
 MAX_FINISHED_RANKS = 32_768
 
 
-class Coordinator(Recovery, Queries, Nodes):
+class Coordinator(Recovery, Queries, Reports, Nodes):
     """Transport-free coordinator over one storage root."""
 
     def __init__(
@@ -445,76 +445,6 @@ class Coordinator(Recovery, Queries, Nodes):
             return ended
         s = self._session(ref, job)
         s.speaks_for(ref.rank, node)
-        return s.answer()
-
-    async def report_shard(
-        self, ref: SaveRef, report: ShardReport, node: str | None = None
-    ) -> StatusResult:
-        try:
-            job = self._check_ref(ref)
-        except StaleGeneration:
-            # The fenced rank wrote files of its own generation; they are nobody's now.
-            name = self.job_name(ref.job)
-            self._spawn(
-                asyncio.to_thread(self._remove_files, name, ref.step, ref.generation, [ref.rank])
-            )
-            raise
-        ended = self._ended(ref, job)
-        if ended is None:
-            s = self._session(ref, job)
-            if s.status == ABORTED:
-                ended = StatusResult(ABORTED, s.reason)
-        if ended is not None:
-            if ended.status == ABORTED:
-                # A rank that finished writing after the abort removed the save's files
-                # (a slow rank while another's lease expired): its files are debris now.
-                self._spawn(
-                    asyncio.to_thread(self._remove_files, job, ref.step, ref.generation, [ref.rank])
-                )
-            return ended
-        if s.assignment is None:
-            raise InvalidRequest(
-                f"job {job!r} step {ref.step} rank {ref.rank}: ReportShard before the plan was made"
-            )
-        s.speaks_for(ref.rank, node)
-        prev = s.reports.get(ref.rank)
-        if prev is not None:
-            if prev == report:
-                return s.answer()
-            raise InvalidRequest(
-                f"job {job!r} step {ref.step} rank {ref.rank}: shard reported twice with different "
-                f"contents (index blake3 {prev.index_blake3[:12]} then {report.index_blake3[:12]})"
-            )
-        if s.status != OPEN:
-            return s.answer()
-        want_shard, want_index = (
-            layout.shard_name(ref.rank, s.generation),
-            layout.index_name(ref.rank, s.generation),
-        )
-        if report.shard_path != want_shard or report.index_path != want_index:
-            raise InvalidRequest(
-                f"job {job!r} step {ref.step} rank {ref.rank}: reported {report.shard_path!r}, "
-                f"assigned {want_shard!r}"
-            )
-        if report.verify not in ("full", "size"):
-            raise InvalidRequest(
-                f"job {job!r} step {ref.step} rank {ref.rank}: verify must be full or size"
-            )
-        try:
-            await asyncio.to_thread(s.check_report, self.storage(job), ref.rank, report)
-        except CkptError as e:
-            self.observer.verification_failed(job, ref.step, "report", f"rank {ref.rank}: {e}")
-            await self._abort(s, f"rank {ref.rank}: {e}", outcome=obs.FAILED)
-            return StatusResult(ABORTED, s.reason)
-        await self.catalog.record_report(job, ref.step, ref.generation, ref.rank, report)
-        if s.status != OPEN:  # aborted while we checked
-            return StatusResult(s.status, s.reason)
-        s.reports[ref.rank] = report
-        self.observer.shard_reported(job, ref.step, ref.rank, report)
-        if len(s.reports) == s.world_size and s.commit_task is None:
-            s.status = COMMITTING
-            s.all_reported = time.monotonic()
-            s.commit_task = asyncio.get_running_loop().create_task(self._commit(s))
         return s.answer()
 
     async def _commit(self, s: Session) -> None:

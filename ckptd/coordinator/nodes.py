@@ -2,11 +2,12 @@
 
 A node's aggregator (ckptd.server.node, on the node's local rank 0) sends its ranks'
 BeginSave, KeepAlive and ReportShard messages in one call per phase. Each embedded message
-is handled by the per-rank method the rank would have called (`begin_save`, `keep_alive`,
-`report_shard`): the commit protocol, fencing (every message carries its rank's
-generation) and divergence detection stay in one place, the core; this module only checks
-the batch and runs its ranks together, so that one RPC, one event-loop wake-up and one
-catalog transaction (the catalog's group commit) serve a node.
+is handled by the per-rank logic the rank would have called (`begin_save`, `keep_alive`;
+`report_shards`, of which a rank's `report_shard` is the batch of one): the commit
+protocol, fencing (every message carries its rank's generation) and divergence detection
+stay in one place, the core; this module only checks
+the batch and runs its ranks together, so that one RPC, one event-loop wake-up, one
+worker-thread call (the reports' storage checks) and one catalog transaction serve a node.
 
 A batch is refused whole, naming the node and the rank, when it is malformed: empty,
 larger than MAX_NODE_RANKS, ranks of different saves, a rank twice. A rank belongs to one
@@ -22,7 +23,8 @@ from typing import Any, TypeVar
 
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport, StatusResult
-from ckptd.errors import InvalidRequest
+from ckptd.errors import CkptError, InvalidRequest
+from ckptd.faults import crash_point
 
 # Ranks in one node batch: a node holds 8 GPUs today, a few dozen processes at most.
 MAX_NODE_RANKS = 256
@@ -87,9 +89,9 @@ class Nodes:
     async def keep_alive(self, ref: SaveRef, node: str | None = None) -> StatusResult:
         raise NotImplementedError
 
-    async def report_shard(
-        self, ref: SaveRef, report: ShardReport, node: str | None = None
-    ) -> StatusResult:
+    async def report_shards(
+        self, reports: Sequence[tuple[SaveRef, ShardReport]], node: str | None = None
+    ) -> list[StatusResult | CkptError]:
         raise NotImplementedError
 
     async def begin_save_node(
@@ -97,9 +99,11 @@ class Nodes:
     ) -> list[BeginResult]:
         """The last BeginSave part of each of a node's ranks; answers in the same order."""
         check_batch(node, [ref for ref, _, _ in calls], "BeginSave")
-        return await _all(
+        answers = await _all(
             [self.begin_save(ref, chunks, node=node, **kw) for ref, chunks, kw in calls]
         )
+        crash_point("coordinator.node_batch_unanswered")  # planned; the node not yet told
+        return answers
 
     async def keep_alive_node(self, node: str, refs: Sequence[SaveRef]) -> list[StatusResult]:
         """The node's live ranks renew their leases (one lease a node: one call)."""
@@ -111,4 +115,8 @@ class Nodes:
     ) -> list[StatusResult]:
         """The node's shard reports; their catalog rows share one transaction."""
         check_batch(node, [ref for ref, _ in reports], "ReportShard")
-        return await _all([self.report_shard(ref, rep, node=node) for ref, rep in reports])
+        answers = await self.report_shards(reports, node)
+        for a in answers:
+            if isinstance(a, CkptError):
+                raise a
+        return answers  # type: ignore[return-value]  # no error among them

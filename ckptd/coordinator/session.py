@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from ckptd.coordinator import planning
@@ -197,7 +197,22 @@ class Session:
                 raise CkptError(
                     f"key {k[0]!r}: the shard holds other bytes than the rank planned (hash mismatch)"
                 )
-        self.bytes += report.size
+
+
+def check_reports(
+    checks: Sequence[tuple[Session, Storage, int, ShardReport]],
+) -> list[CkptError | None]:
+    """Session.check_report of each (session, storage, rank, report), in one worker call
+    (blocking: run in a thread): a node's reports cost one thread hop, not one a rank. The
+    error of each report that fails, else None."""
+    out: list[CkptError | None] = []
+    for s, st, rank, report in checks:
+        try:
+            s.check_report(st, rank, report)
+            out.append(None)
+        except CkptError as e:
+            out.append(e)
+    return out
 
 
 class SaveIdentity(Protocol):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -132,7 +133,8 @@ class CoordinatorClient:
                     raise self.unavailable(what, f"{code.name}: {details}") from None
                 self.reached = True  # it answered, with an error of its own
                 trailers = e.trailing_metadata() if isinstance(e, grpc.Call) else None
-                raise error_from(code, f"{what}: {details}", trailers, where=self.address) from None
+                msg = _named_once(what, details)
+                raise error_from(code, msg, trailers, where=self.address) from None
 
     # -- RPCs --------------------------------------------------------------------------
     def open_job(self, job: str, attempt: str) -> tuple[int, str]:
@@ -286,6 +288,21 @@ class CoordinatorClient:
             job=job, step=step, tier=tier, url=url, status=status, reason=reason[:4000]
         )
         self._call(f"job {job!r} step {step} tier {tier}", self._stub.RecordTier, req)
+
+
+_SAVE_HEAD = re.compile(r"job .*? step -?\d+")
+
+
+def _named_once(what: str, details: str) -> str:
+    """`what: details`, without the job and step a second time when the server's message
+    starts with them too (an error passed on through a node's aggregator would otherwise
+    repeat "job ... step ..." once per hop)."""
+    head = _SAVE_HEAD.match(what)
+    if head is not None:
+        h = head.group(0)
+        if details.startswith(h) and details[len(h) : len(h) + 1] in (" ", ":"):
+            details = details[len(h) :].lstrip(" :")
+    return f"{what}: {details}"
 
 
 def _what(ref: SaveRef) -> str:

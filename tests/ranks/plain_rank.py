@@ -1,4 +1,6 @@
-"""One rank of a plain job (no torch.distributed) against a coordinator service.
+"""One rank of a plain job against a coordinator service (no torch.distributed, unless
+the spec's "process_group": then a gloo group from MASTER_ADDR/PORT, and ranks of one node
+by LOCAL_RANK / LOCAL_WORLD_SIZE save through their node's aggregator).
 
     python plain_rank.py SPEC.json OUT.json
 
@@ -27,6 +29,7 @@ import time
 import traceback
 
 import torch
+import torch.distributed as dist
 
 import ckpt
 from ckptd.server.client import CoordinatorClient
@@ -89,6 +92,8 @@ def main() -> int:
 
     CoordinatorClient.begin_save = begin_save
     CoordinatorClient.report_shard = report_shard
+    if spec.get("process_group"):  # one node of ranks: they save through its aggregator
+        dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     try:
         cp = ckpt.Checkpointer(
             spec["job"],

@@ -28,8 +28,8 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptd.coordinator.core import BeginResult, SaveRef, ShardReport, StatusResult
 from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport, StatusResult
 from ckptd.errors import CkptError, CoordinatorUnavailable, SaveAborted, SaveFailed
 from ckptd.faults import crash_point
 from ckptd.server.client import CoordinatorClient
