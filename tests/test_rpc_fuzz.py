@@ -267,7 +267,7 @@ def _valid(method: str, job: str) -> Message:
         chunk_offsets=[0],
         chunk_sizes=[4],
         length=16,
-        blake3="0" * 64,
+        digest=bytes(32),
     )
     return {
         "OpenJob": lambda: pb.OpenJobRequest(job=job, attempt="a"),

@@ -30,6 +30,7 @@ from typing import Any
 
 from ckptd.coordinator import observer as obs
 from ckptd.coordinator import planning, retention
+from ckptd.coordinator.layouts import DIGEST_BYTES, LayoutCache
 from ckptd.coordinator.catalog import Catalog, SaveRecord
 from ckptd.coordinator.queries import Queries
 from ckptd.coordinator.recovery import Recovery, Skipped
@@ -58,6 +59,7 @@ from ckptd.errors import (
     CheckpointExists,
     CkptError,
     InvalidRequest,
+    LayoutUnknown,
     SaveAborted,
     StaleGeneration,
     StepMismatch,
@@ -107,6 +109,7 @@ class Coordinator(Recovery, Queries):
         self.observer: obs.SaveObserver = obs.SaveObserver()  # metrics plug in here
         self._storages: dict[str, Storage] = {}
         self.sessions: dict[tuple[str, int], Session] = {}
+        self.layouts = LayoutCache()  # the ranks' plan layouts, for cached plans
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._open_lock = asyncio.Lock()
@@ -286,6 +289,8 @@ class Coordinator(Recovery, Queries):
         keep_last: int = 0,
         timeout_s: float | None = None,
         parent: int | None = None,
+        layout_digest: bytes = b"",
+        digests: bytes = b"",
     ) -> BeginResult:
         job = self._check_ref(ref)
         if not (1 <= parts <= 100_000 and 0 <= part < parts):
@@ -329,16 +334,30 @@ class Coordinator(Recovery, Queries):
         if s.status == ABORTED:
             raise s.abort_kind(f"job {job!r} step {ref.step}: the save was aborted ({s.reason})")
         where = f"job {job!r} step {ref.step} rank {ref.rank}"
+        cached = (
+            bool(layout_digest) and not chunks
+        )  # a cached plan: the layout's chunks, new digests
         try:
-            for c in chunks:
+            if cached:
+                chunks = self.layouts.plan(
+                    job, ref.rank, layout_digest, part, parts, digests, where
+                )
+            if len(layout_digest) not in (0, DIGEST_BYTES) or (digests and not cached):
+                raise InvalidRequest(
+                    f"{where}: layout_digest must be {DIGEST_BYTES} bytes ({len(layout_digest)} sent), "
+                    "and digests come only without chunks (a cached plan)"
+                )
+            for c in () if cached else chunks:
                 planning.check_chunk(c, where)
             if metadata is not None and not isinstance(metadata, dict):
                 raise InvalidRequest(f"{where}: metadata must be a JSON object")
             if state is not None:
                 values.check_node(state, f"{where} state")
         except CkptError as e:
-            # The other ranks learn it now instead of waiting out the barrier.
-            await self._abort(s, str(e), kind=type(e), outcome=obs.FAILED)
+            # The other ranks learn it now instead of waiting out the barrier; an unknown
+            # layout is no failure (the client resends the whole plan).
+            if not isinstance(e, LayoutUnknown):
+                await self._abort(s, str(e), kind=type(e), outcome=obs.FAILED)
             raise
         plan = s.plans.get(ref.rank)
         if plan is None:
@@ -351,7 +370,15 @@ class Coordinator(Recovery, Queries):
             raise InvalidRequest(
                 f"job {job!r} step {ref.step} rank {ref.rank}: part {part} re-sent with a different plan"
             )
-        plan.received[part] = list(chunks)
+        if plan.received and plan.layout != layout_digest:
+            raise InvalidRequest(f"{where}: the parts of the plan name different layouts")
+        plan.received[part], plan.layout = list(chunks), layout_digest
+        if plan.complete and layout_digest and not cached:
+            try:  # a lying claim could make later cached plans name other boxes
+                self.layouts.accept(job, ref.rank, layout_digest, plan.by_part(), where)
+            except InvalidRequest as e:
+                await self._abort(s, str(e), kind=InvalidRequest, outcome=obs.FAILED)
+                raise
         if state is not None:
             plan.state = state
         if metadata:

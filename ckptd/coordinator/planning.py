@@ -104,7 +104,10 @@ def check_chunk(c: ChunkPlan, where: str) -> None:
             f"bytes of {c.dtype} (field length)"
         )
     if not hashing.is_hex_digest(c.blake3):
-        raise InvalidRequest(f"{what}: blake3 must be a lowercase 64-digit hex digest")
+        raise InvalidRequest(
+            f"{what}: the chunk's blake3 digest must be {hashing.HEX_LEN // 2} raw bytes, got "
+            f"{len(c.blake3) // 2} (field digest)"
+        )
 
 
 def _overlap(a: ChunkPlan, b: ChunkPlan) -> bool:

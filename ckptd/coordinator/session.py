@@ -35,6 +35,7 @@ class RankPlan:
     received: dict[int, list[planning.ChunkPlan]] = dataclasses.field(default_factory=dict)
     state: Any = None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    layout: bytes = b""  # the layout digest the rank named (layouts.py), b"" for none
 
     @property
     def complete(self) -> bool:
@@ -42,6 +43,9 @@ class RankPlan:
 
     def chunks(self) -> list[planning.ChunkPlan]:
         return [c for p in range(self.parts) for c in self.received[p]]
+
+    def by_part(self) -> list[list[planning.ChunkPlan]]:
+        return [self.received[p] for p in range(self.parts)]
 
 
 class Session:
