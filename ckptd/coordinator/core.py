@@ -30,8 +30,8 @@ from typing import Any
 
 from ckptd.coordinator import observer as obs
 from ckptd.coordinator import planning, retention
-from ckptd.coordinator.layouts import DIGEST_BYTES, LayoutCache
 from ckptd.coordinator.catalog import Catalog, SaveRecord
+from ckptd.coordinator.layouts import DIGEST_BYTES, LayoutCache
 from ckptd.coordinator.queries import Queries
 from ckptd.coordinator.recovery import Recovery, Skipped
 from ckptd.coordinator.session import (
