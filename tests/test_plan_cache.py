@@ -294,7 +294,7 @@ def test_malformed_cached_digests_are_refused(
 def test_the_layout_cache_is_bounded() -> None:
     cache = LayoutCache(per_rank=2, max_chunks=10)
     plans = {i: _plan(i + 1) for i in range(4)}
-    for i, p in plans.items():
+    for p in plans.values():
         cache.remember("j", 0, layout_digest(p), [p])
     # Two layouts per rank: the oldest two are gone.
     assert cache.chunks == 3 + 4

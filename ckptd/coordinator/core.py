@@ -28,10 +28,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from ckptd.coordinator import layouts, planning, retention
 from ckptd.coordinator import observer as obs
-from ckptd.coordinator import planning, retention
 from ckptd.coordinator.catalog import Catalog, SaveRecord
-from ckptd.coordinator.layouts import DIGEST_BYTES, LayoutCache
 from ckptd.coordinator.queries import Queries
 from ckptd.coordinator.recovery import Recovery, Skipped
 from ckptd.coordinator.session import (
@@ -109,7 +108,7 @@ class Coordinator(Recovery, Queries):
         self.observer: obs.SaveObserver = obs.SaveObserver()  # metrics plug in here
         self._storages: dict[str, Storage] = {}
         self.sessions: dict[tuple[str, int], Session] = {}
-        self.layouts = LayoutCache()  # the ranks' plan layouts, for cached plans
+        self.layouts = layouts.LayoutCache()  # the ranks' plan layouts, for cached plans
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._open_lock = asyncio.Lock()
@@ -334,18 +333,12 @@ class Coordinator(Recovery, Queries):
         if s.status == ABORTED:
             raise s.abort_kind(f"job {job!r} step {ref.step}: the save was aborted ({s.reason})")
         where = f"job {job!r} step {ref.step} rank {ref.rank}"
-        cached = (
-            bool(layout_digest) and not chunks
-        )  # a cached plan: the layout's chunks, new digests
+        cached = bool(layout_digest) and not chunks  # the layout's chunks, new digests
         try:
+            layouts.check_fields(layout_digest, digests, cached, where)
             if cached:
                 chunks = self.layouts.plan(
                     job, ref.rank, layout_digest, part, parts, digests, where
-                )
-            if len(layout_digest) not in (0, DIGEST_BYTES) or (digests and not cached):
-                raise InvalidRequest(
-                    f"{where}: layout_digest must be {DIGEST_BYTES} bytes ({len(layout_digest)} sent), "
-                    "and digests come only without chunks (a cached plan)"
                 )
             for c in () if cached else chunks:
                 planning.check_chunk(c, where)
@@ -363,13 +356,9 @@ class Coordinator(Recovery, Queries):
         if plan is None:
             plan = s.plans[ref.rank] = RankPlan(parts)
         if plan.parts != parts:
-            raise InvalidRequest(
-                f"job {job!r} step {ref.step} rank {ref.rank}: parts changed {plan.parts} -> {parts}"
-            )
+            raise InvalidRequest(f"{where}: parts changed {plan.parts} -> {parts}")
         if part in plan.received and plan.received[part] != list(chunks):
-            raise InvalidRequest(
-                f"job {job!r} step {ref.step} rank {ref.rank}: part {part} re-sent with a different plan"
-            )
+            raise InvalidRequest(f"{where}: part {part} re-sent with a different plan")
         if plan.received and plan.layout != layout_digest:
             raise InvalidRequest(f"{where}: the parts of the plan name different layouts")
         plan.received[part], plan.layout = list(chunks), layout_digest

@@ -46,6 +46,15 @@ def layout_digest(chunks: Sequence[ChunkPlan]) -> bytes:
     return h.digest()
 
 
+def check_fields(layout: bytes, digests: bytes, cached: bool, where: str) -> None:
+    """A BeginSave's layout_digest and digests fields, before anything is looked up."""
+    if len(layout) not in (0, DIGEST_BYTES) or (digests and not cached):
+        raise InvalidRequest(
+            f"{where}: layout_digest must be {DIGEST_BYTES} bytes ({len(layout)} sent), and "
+            "digests come only with a cached plan (a layout_digest and no chunks)"
+        )
+
+
 def split_digests(data: bytes, count: int, where: str) -> list[str]:
     """`count` chunk digests from their concatenated raw bytes, as the hex ChunkPlan holds."""
     if len(data) % DIGEST_BYTES or len(data) // DIGEST_BYTES != count:
