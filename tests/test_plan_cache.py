@@ -22,9 +22,10 @@ from ckpt_testutil import tensor_raw
 from coordinator_fixtures import TOKEN, ServerThread, finished
 
 import ckpt
+from ckptd.coordinator import planning
 from ckptd.coordinator.layouts import LayoutCache, layout_digest
 from ckptd.coordinator.planning import ChunkPlan
-from ckptd.errors import LayoutUnknown
+from ckptd.errors import DivergentReplicas, LayoutUnknown
 from ckptd.format import hashing
 from ckptd.server import ServerOptions
 from ckptd.server import converters as cv
@@ -309,3 +310,58 @@ def test_the_layout_cache_is_bounded() -> None:
     assert cache.chunks == 4
     with pytest.raises(LayoutUnknown):
         cache.plan("j", 0, layout_digest(plans[3]), 0, 1, bytes(128), "")
+
+
+def _replicated(hashes: list[str], world: int = 4) -> dict[int, list[ChunkPlan]]:
+    """A DDP-like plan: `w` replicated on every rank (rank r holds hashes[r]), `s` sharded."""
+    return {
+        r: [
+            ChunkPlan("w", "uint8", (8,), (0,), (8,), 8, hashes[r]),
+            ChunkPlan("s", "uint8", (8 * world,), (8 * r,), (8,), 8, hashing.digest(bytes([r]))),
+        ]
+        for r in range(world)
+    }
+
+
+def test_unchanged_layouts_reuse_the_assignment_but_still_compare_replicas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    same = [hashing.digest(b"w")] * 4
+    first = planning.assign(_replicated(same))
+    assert first.replicas == [((0, 0), (1, 0), (2, 0), (3, 0))]
+    tiled: list[str] = []
+    original = planning._check_tiling
+    monkeypatch.setattr(planning, "_check_tiling", lambda k, c: (tiled.append(k), original(k, c)))
+    again = planning.assign(_replicated(same), reuse=first)
+    assert (again.write, again.bytes_by_rank, tiled) == (first.write, first.bytes_by_rank, [])
+    # A replica that differs is refused as without reuse, with the same words.
+    odd = same[:2] + [hashing.digest(b"x")] + same[3:]
+    with pytest.raises(DivergentReplicas) as fresh:
+        planning.assign(_replicated(odd))
+    with pytest.raises(DivergentReplicas) as reused:
+        planning.assign(_replicated(odd), reuse=first)
+    assert str(reused.value) == str(fresh.value) and "ranks [2] hold" in str(fresh.value)
+    # Allowed: the lowest rank writes it, derived afresh (and not kept for reuse).
+    allowed = planning.assign(_replicated(odd), allow_divergent=True, reuse=first)
+    assert allowed.write == planning.assign(_replicated(odd), allow_divergent=True).write
+    assert allowed.warnings and allowed.replicas is None
+
+
+def test_the_coordinator_reuses_the_assignment_of_unchanged_layouts(
+    server: ServerThread, wire: list[pb.BeginSaveRequest], tmp_path: Path, monkeypatch: Any
+) -> None:
+    tiled: list[int] = []
+    original = planning._check_tiling
+
+    def counting(key: str, chunks: list[ChunkPlan]) -> None:
+        tiled.append(len(wire))
+        original(key, chunks)
+
+    monkeypatch.setattr(planning, "_check_tiling", counting)
+    job = str(tmp_path / "root" / "job")
+    with checkpointer(server, job) as cp:
+        for step in (1, 2, 3):
+            finished(cp.save(model(step), step))
+        finished(cp.save(model(4, rows=6), 4))  # resharded: derived again
+    # Tiling was checked for the first save's 12 keys and the resharded one's, not between.
+    assert tiled == [1] * 12 + [4] * 12

@@ -402,7 +402,11 @@ class Coordinator(Recovery, Queries):
     async def _plan(self, s: Session) -> None:
         try:
             s.chunks = {r: p.chunks() for r, p in s.plans.items()}
-            s.assignment = planning.assign(s.chunks, allow_divergent=s.allow_divergent)
+            key = s.layout_key()  # unchanged layouts: the last save's tiling and balance
+            s.assignment = planning.assign(
+                s.chunks, allow_divergent=s.allow_divergent, reuse=self.layouts.assigned(s.job, key)
+            )
+            self.layouts.keep_assigned(s.job, key, s.assignment)
             state = planning.merge_states({r: p.state for r, p in s.plans.items()})
             metadata = s.plans[0].metadata if 0 in s.plans else {}
         except CkptError as e:

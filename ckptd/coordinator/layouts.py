@@ -12,7 +12,9 @@ check a claim that came with the whole plan, before remembering it).
 LAYOUTS_PER_RANK layouts it parsed and checked, as the parts they arrived in, at most
 MAX_CACHED_CHUNKS chunks in all (least recently used (job, rank) first out; about 0.5 KiB
 a chunk). A cached plan is rebuilt from the held chunks with the new digests, without
-parsing or checking them again. A digest it does not hold (the coordinator restarted, or
+parsing or checking them again. Per job it also holds the last assignment and the ranks'
+layouts it was made for: a save of the same layouts on every rank skips the tiling
+checks and the balance, and only compares the replicas' hashes (planning.assign). A digest it does not hold (the coordinator restarted, or
 evicted it) is LayoutUnknown, not a failure of the save: the client sends the whole plan.
 """
 
@@ -25,12 +27,13 @@ from collections.abc import Sequence
 
 import blake3
 
-from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.planning import Assignment, ChunkPlan
 from ckptd.errors import InvalidRequest, LayoutUnknown
 
 DIGEST_BYTES = 32
 LAYOUTS_PER_RANK = 2  # this step's and the last one's: a model that alternates two layouts
 MAX_CACHED_CHUNKS = 4 << 20  # ~2 GiB at most; 16,384 ranks x 256 chunks fit
+MAX_ASSIGNED_JOBS = 16  # jobs whose last assignment is held (one per job)
 _MAGIC = b"ckptd-layout-v1\0"
 
 
@@ -84,6 +87,23 @@ class LayoutCache:
             tuple[str, int], collections.OrderedDict[bytes, Layout]
         ] = collections.OrderedDict()
         self.chunks = 0
+        self._assigned: collections.OrderedDict[str, tuple[tuple[bytes, ...], Assignment]] = (
+            collections.OrderedDict()
+        )
+
+    def assigned(self, job: str, key: tuple[bytes, ...] | None) -> Assignment | None:
+        """The job's last assignment when its ranks' layouts (`key`, in rank order) were
+        these: planning.assign reuses its tiling and balance (`reuse=`)."""
+        held = self._assigned.get(job)
+        return held[1] if key is not None and held is not None and held[0] == key else None
+
+    def keep_assigned(self, job: str, key: tuple[bytes, ...] | None, a: Assignment) -> None:
+        if key is None or a.replicas is None:
+            return
+        self._assigned[job] = (key, a)
+        self._assigned.move_to_end(job)
+        while len(self._assigned) > MAX_ASSIGNED_JOBS:
+            self._assigned.popitem(last=False)
 
     def accept(
         self, job: str, rank: int, claimed: bytes, parts: Sequence[Sequence[ChunkPlan]], where: str

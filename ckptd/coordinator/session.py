@@ -82,6 +82,14 @@ class Session:
         self.all_reported = 0.0  # monotonic time of the last shard's report
         self.abort_kind: type[CkptError] = SaveAborted  # what a rank arriving later gets
 
+    def layout_key(self) -> tuple[bytes, ...] | None:
+        """Every rank's layout digest in rank order, or None when some rank's plan has
+        chunks but named no layout (ckptd.coordinator.layouts)."""
+        plans = [self.plans[r] for r in range(self.world_size)]
+        if any(not p.layout and any(p.received.values()) for p in plans):
+            return None
+        return tuple(p.layout for p in plans)
+
     def fail(self, reason: str, kind: type[CkptError] = SaveAborted) -> None:
         self.status, self.reason, self.abort_kind = ABORTED, reason, kind
         if not self.planned.done():
