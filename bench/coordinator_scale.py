@@ -12,6 +12,7 @@ Each rank's plan has 4 tiny uint8 chunks, so dedup, tiling and state merging all
   shared/w0, shared/w1   replicated on every rank, equal hashes (written once, by one rank)
   sharded/w              one global tensor cut Shard(0) across all ranks (N distinct boxes)
   rng/@rank<r>           a per-rank tensor under a PerRank state node
+  layers/<k>             --keys more tensors cut like sharded/w (a model's many parameters)
 The ranks' state trees are equal except the per-rank node, as ckpt's flatten makes them.
 
 By default the phases are separated by client-side barriers, so the coordinator's time
@@ -195,7 +196,15 @@ class Server:
 class Rank:
     """One simulated rank's plan for one step: items, block digests, BeginSave request."""
 
-    def __init__(self, rank: int, world: int, step: int, chunk_bytes: int, shared: list[WriteItem]):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        step: int,
+        chunk_bytes: int,
+        shared: list[WriteItem],
+        keys: int = 0,
+    ):
         self.rank = rank
         b = chunk_bytes
         mine = np.full(b, (rank * 7 + step) % 251, dtype=np.uint8)
@@ -206,6 +215,10 @@ class Rank:
             *shared,
             WriteItem("sharded/w", "uint8", [world * b], [rank * b], [b], mine),
             WriteItem(f"rng/@rank{rank}", "uint8", [b], [0], [b], rng),
+            *(
+                WriteItem(f"layers/{k}", "uint8", [world * b], [rank * b], [b], mine)
+                for k in range(keys)
+            ),
         ]
         self.digests = [[hashing.digest(it.data)] for it in self.items]
         self.state = {
@@ -222,6 +235,7 @@ class Rank:
                 ["sharded", {"dict": [["w", {"tensor": "sharded/w"}]]}],
                 ["rng", {"per_rank": [[rank, {"tensor": f"rng/@rank{rank}"}]]}],
                 ["step", step],
+                ["layers", {"dict": [[str(k), {"tensor": f"layers/{k}"}] for k in range(keys)]}],
             ]
         }
 
@@ -361,7 +375,7 @@ class Job:
         """One whole save of `step` by every rank; the times of its phases."""
         n = self.world
         shared = shared_items(step, self.args.chunk_bytes)
-        ranks = [Rank(r, n, step, self.args.chunk_bytes, shared) for r in range(n)]
+        ranks = [Rank(r, n, step, self.args.chunk_bytes, shared, self.args.keys) for r in range(n)]
         cached = self.args.plan_cache and self.saves > 0  # the coordinator holds the layouts
         begin_reqs = [rk.begin_request(self.ref(step, rk.rank), cached) for rk in ranks]
         self.saves += 1
@@ -650,6 +664,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="unmeasured saves per N first")
     p.add_argument("--channels", type=int, default=8, help="grpc.aio channels shared by ranks")
     p.add_argument("--chunk-bytes", type=int, default=64, help="bytes of each chunk")
+    p.add_argument(
+        "--keys", type=int, default=0, help="more keys per rank, each cut Shard(0) like sharded/w"
+    )
     p.add_argument("--io-threads", type=int, default=16, help="threads writing rank files")
     p.add_argument("--lease", type=float, default=600.0, help="coordinator lease (no keepalives)")
     p.add_argument("--pipelined", action="store_true", help="no barriers between phases")
