@@ -239,7 +239,7 @@ class Rank:
             ]
         }
 
-    def begin_request(self, ref: pb.SaveRef, cached: bool) -> pb.BeginSaveRequest:
+    def begin_request(self, ref: pb.SaveRef, cached: bool = False) -> pb.BeginSaveRequest:
         """As CoordinatorClient.begin_save sends it; `cached`: the layout's digest and the
         chunks' digests only (the coordinator holds this rank's layout from a save before)."""
         plan = ChunkPlan.of_items(self.items, self.digests)
