@@ -235,9 +235,11 @@ class Rank:
                 ["sharded", {"dict": [["w", {"tensor": "sharded/w"}]]}],
                 ["rng", {"per_rank": [[rank, {"tensor": f"rng/@rank{rank}"}]]}],
                 ["step", step],
-                ["layers", {"dict": [[str(k), {"tensor": f"layers/{k}"}] for k in range(keys)]}],
             ]
         }
+        if keys:
+            layers = [[str(k), {"tensor": f"layers/{k}"}] for k in range(keys)]
+            self.state["dict"].append(["layers", {"dict": layers}])
 
     def begin_request(self, ref: pb.SaveRef, cached: bool = False) -> pb.BeginSaveRequest:
         """As CoordinatorClient.begin_save sends it; `cached`: the layout's digest and the
