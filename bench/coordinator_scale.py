@@ -12,6 +12,7 @@ Each rank's plan has 4 tiny uint8 chunks, so dedup, tiling and state merging all
   shared/w0, shared/w1   replicated on every rank, equal hashes (written once, by one rank)
   sharded/w              one global tensor cut Shard(0) across all ranks (N distinct boxes)
   rng/@rank<r>           a per-rank tensor under a PerRank state node
+  layers/<k>             --keys more tensors cut like sharded/w (a model's many parameters)
 The ranks' state trees are equal except the per-rank node, as ckpt's flatten makes them.
 
 By default the phases are separated by client-side barriers, so the coordinator's time
@@ -44,10 +45,12 @@ coordinator answered during the save.
 grpc.server.max_pending_requests(_hard_limit) raised to K (patched into grpc.aio.server in
 the server process): with the defaults (1000 soft / 3000 hard) gRPC cancels calls at random
 once about 1000 wait to be picked up, which a save of >= ~1000 ranks reaches.
+From the second save of each N the ranks send cached plans (the layout's digest and the
+chunks' digests, as ckpt's client does); --no-plan-cache sends whole plans every save.
 --profile-server DIR writes a cProfile of the coordinator's event-loop thread per N.
 
     .venv/bin/python bench/coordinator_scale.py [--ranks 64,256,1024,4096] [--steps 5]
-        [--ranks-per-node 8] [--grpc-pending-limit 100000] [--pipelined]
+        [--ranks-per-node 8] [--grpc-pending-limit 100000] [--pipelined] [--no-plan-cache]
         [--profile-server DIR]
 """
 
@@ -71,6 +74,8 @@ import _common as C
 import grpc
 import numpy as np
 
+from ckptd.coordinator.layouts import layout_digest
+from ckptd.coordinator.planning import ChunkPlan
 from ckptd.coordinator.types import ShardReport
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing
@@ -201,7 +206,15 @@ class Server:
 class Rank:
     """One simulated rank's plan for one step: items, block digests, BeginSave request."""
 
-    def __init__(self, rank: int, world: int, step: int, chunk_bytes: int, shared: list[WriteItem]):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        step: int,
+        chunk_bytes: int,
+        shared: list[WriteItem],
+        keys: int = 0,
+    ):
         self.rank = rank
         b = chunk_bytes
         mine = np.full(b, (rank * 7 + step) % 251, dtype=np.uint8)
@@ -212,6 +225,10 @@ class Rank:
             *shared,
             WriteItem("sharded/w", "uint8", [world * b], [rank * b], [b], mine),
             WriteItem(f"rng/@rank{rank}", "uint8", [b], [0], [b], rng),
+            *(
+                WriteItem(f"layers/{k}", "uint8", [world * b], [rank * b], [b], mine)
+                for k in range(keys)
+            ),
         ]
         self.digests = [[hashing.digest(it.data)] for it in self.items]
         self.state = {
@@ -230,23 +247,19 @@ class Rank:
                 ["step", step],
             ]
         }
+        if keys:
+            layers = [[str(k), {"tensor": f"layers/{k}"}] for k in range(keys)]
+            self.state["dict"].append(["layers", {"dict": layers}])
 
-    def begin_request(self, ref: pb.SaveRef) -> pb.BeginSaveRequest:
-        chunks = [
-            pb.Chunk(
-                key=it.key,
-                dtype=it.dtype,
-                shape=it.shape,
-                chunk_offsets=it.chunk_offsets,
-                chunk_sizes=it.chunk_sizes,
-                length=it.data.nbytes,
-                blake3=hashing.chunk_digest(d),
-            )
-            for it, d in zip(self.items, self.digests, strict=True)
-        ]
+    def begin_request(self, ref: pb.SaveRef, cached: bool = False) -> pb.BeginSaveRequest:
+        """As CoordinatorClient.begin_save sends it; `cached`: the layout's digest and the
+        chunks' digests only (the coordinator holds this rank's layout from a save before)."""
+        plan = ChunkPlan.of_items(self.items, self.digests)
         return pb.BeginSaveRequest(
             ref=ref,
-            chunks=chunks,
+            chunks=[] if cached else [cv.chunk_to_pb(c) for c in plan],
+            digests=b"".join(bytes.fromhex(c.blake3) for c in plan) if cached else b"",
+            layout_digest=layout_digest(plan),
             part=0,
             parts=1,
             state=json.dumps(self.state, separators=(",", ":")).encode(),
@@ -358,6 +371,7 @@ class Job:
         self.pool = ThreadPoolExecutor(args.io_threads, thread_name_prefix="rank-io")
         self.storage = open_storage(self.job_path, create=True)
         self.generation = 0
+        self.saves = 0
         self.idle_memory = self.server.memory()
         k = max(1, args.ranks_per_node)
         self.nodes = (
@@ -418,8 +432,10 @@ class Job:
         """One whole save of `step` by every rank; the times of its phases."""
         n = self.world
         shared = shared_items(step, self.args.chunk_bytes)
-        ranks = [Rank(r, n, step, self.args.chunk_bytes, shared) for r in range(n)]
-        begin_reqs = [rk.begin_request(self.ref(step, rk.rank)) for rk in ranks]
+        ranks = [Rank(r, n, step, self.args.chunk_bytes, shared, self.args.keys) for r in range(n)]
+        cached = self.args.plan_cache and self.saves > 0  # the coordinator holds the layouts
+        begin_reqs = [rk.begin_request(self.ref(step, rk.rank), cached) for rk in ranks]
+        self.saves += 1
         loop = asyncio.get_running_loop()
         now = time.perf_counter
         srv = self.server
@@ -515,6 +531,7 @@ class Job:
             "ranks_writing_nothing": sum(1 for w in written if not w),
             "bytes_written": sum(i.size for i in infos),
             "rpcs": RPCS[0] - rpcs0,
+            "begin_request_bytes": sum(q.ByteSize() for q in begin_reqs),
         }
         if not self.args.pipelined:
             begin_s = max(t_begin_reply) - t0
@@ -578,7 +595,8 @@ async def run_world(args: argparse.Namespace, world: int, work: Path) -> dict[st
             print(
                 f"N={world:5d} {tag:>11}: wall {res['wall_s']:.3f} s{extra}  "
                 f"p99 {res['commit_p99_s'] * 1e3:.1f} ms  srv cpu {res['server_cpu_s']:.2f} s  "
-                f"rss {res['vm_rss'] / C.MiB:.0f} MiB",
+                f"rss {res['vm_rss'] / C.MiB:.0f} MiB  "
+                f"BeginSave {res['begin_request_bytes'] / 1024:.0f} KiB",
                 flush=True,
             )
         check = job.check_committed(total)
@@ -616,7 +634,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         hdr += f" {'begin s':>8} {'rank I/O':>9} {'report s':>9} {'commit s':>9} {'coord s':>8}"
     hdr += (
         f" {'p50 ms':>8} {'p99 ms':>8} {'RPCs':>7} {'RPC/s':>8} {'srv CPU s':>9} {'cli CPU s':>9}"
-        f" {'RSS MiB':>8} {'HWM MiB':>8}"
+        f" {'RSS MiB':>8} {'HWM MiB':>8} {'Begin KiB':>9}"
     )
     print(
         f"\nmedians of {args.steps} steps per N (GB = 1e9; MiB = 2^20); "
@@ -646,6 +664,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
             f" {m['commit_p50_s'] * 1e3:>8.1f} {m['commit_p99_s'] * 1e3:>8.1f}"
             f" {m['rpcs']:>7.0f} {m['rpcs_per_s']:>8.0f} {m['server_cpu_s']:>9.2f} {m['client_cpu_s']:>9.2f}"
             f" {m['vm_rss'] / C.MiB:>8.0f} {r['final_vm_hwm'] / C.MiB:>8.0f}"
+            f" {m['begin_request_bytes'] / 1024:>9.0f}"
         )
         print(line)
     if phased and ok_results:
@@ -727,9 +746,19 @@ def main(argv: list[str] | None = None) -> int:
         help="ranks a node aggregator batches (1: every rank calls the coordinator)",
     )
     p.add_argument("--chunk-bytes", type=int, default=64, help="bytes of each chunk")
+    p.add_argument(
+        "--keys", type=int, default=0, help="more keys per rank, each cut Shard(0) like sharded/w"
+    )
     p.add_argument("--io-threads", type=int, default=16, help="threads writing rank files")
     p.add_argument("--lease", type=float, default=600.0, help="coordinator lease (no keepalives)")
     p.add_argument("--pipelined", action="store_true", help="no barriers between phases")
+    p.add_argument(
+        "--no-plan-cache",
+        dest="plan_cache",
+        action="store_false",
+        help="send every rank's whole plan at every save (as a first save does), not the "
+        "cached plan (layout digest + chunk digests) from the second save on",
+    )
     p.add_argument("--dir", type=Path, default=C.RESULTS_DIR / "tmp-coord", help="work dir")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint files")
     p.add_argument(
@@ -772,6 +801,8 @@ def main(argv: list[str] | None = None) -> int:
             "coordinator_s": "begin_s + report_s + commit_phase_s",
             "commit_p50_s/p99_s": "per rank: AwaitCommit answer - last ReportShard answer",
             "rpcs": "calls the coordinator answered during the save (3N per rank, 3 per node)",
+            "begin_request_bytes": "serialized BeginSave requests of all ranks (cached plans "
+            "from the second save on unless --no-plan-cache)",
             "rpcs_per_s": "rpcs / coordinator_s",
             "server_cpu_s": "coordinator process utime+stime over the save",
             "vm_rss/vm_hwm": "coordinator /proc/<pid>/status after the step",

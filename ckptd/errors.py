@@ -87,6 +87,12 @@ class InvalidRequest(CkptError, ValueError):
     pass
 
 
+class LayoutUnknown(CkptError):
+    """A cached plan named a layout (by digest) that the coordinator does not hold: it
+    restarted or evicted it. Not a failure of the save: the client sends the whole plan
+    (ckptd.coordinator.layouts)."""
+
+
 class Unauthenticated(CkptError, PermissionError):
     pass
 
@@ -135,6 +141,7 @@ __all__ = [
     "StateMismatch",
     "StorageError",
     "InvalidRequest",
+    "LayoutUnknown",
     "Unauthenticated",
     "CoordinatorUnavailable",
     "JobInUse",

@@ -292,6 +292,7 @@ class ServerThread:
         lease_s: float = 60.0,
         barrier_timeout_s: float = 600.0,
         host: str = "127.0.0.1",
+        port: int = 0,  # a restarted coordinator takes its predecessor's port
         **core_kw: Any,  # more Coordinator arguments (storage_factory: a faulty storage)
     ):
         from ckptd.server import create_server
@@ -306,7 +307,7 @@ class ServerThread:
 
         async def start() -> tuple[Any, int]:
             await self.core.start()
-            return await create_server(self.core, f"{host}:0", options)
+            return await create_server(self.core, f"{host}:{port}", options)
 
         self.server, self.port = self.call(start())
         self.address = f"{host}:{self.port}"

@@ -33,7 +33,7 @@ def begin_req(job: str, rank: int, world: int, step: int = 1) -> pb.BeginSaveReq
     chunk = pb.Chunk(
         key=f"k{rank}", dtype="uint8", shape=[4], chunk_offsets=[0], chunk_sizes=[4], length=4
     )
-    chunk.blake3 = "0" * 64
+    chunk.digest = bytes(32)
     return pb.BeginSaveRequest(ref=ref, chunks=[chunk], part=0, parts=1, timeout_ms=20_000)
 
 

@@ -41,7 +41,7 @@ MD = (("authorization", f"Bearer {TOKEN}"),)
 # BeginSave waits at the barrier for the other ranks and AwaitCommit for the commit: for
 # them (only) running into the client's deadline is the expected outcome of a plan that
 # is valid but incomplete. Every other RPC answers at once.
-BLOCKING = {"BeginSave": 1.5, "AwaitCommit": 1.5}
+BLOCKING = {"BeginSave": 1.5, "BeginSaveNode": 1.5, "AwaitCommit": 1.5}
 DEADLINE_S = 10.0
 # What a refusal may look like: ckptd's error map (ckptd/server/errors.py), and gRPC's own
 # RESOURCE_EXHAUSTED for oversize. INTERNAL and UNKNOWN mean an unexpected exception.
@@ -267,23 +267,30 @@ def _valid(method: str, job: str) -> Message:
         chunk_offsets=[0],
         chunk_sizes=[4],
         length=16,
-        blake3="0" * 64,
+        digest=bytes(32),
+    )
+    begin = pb.BeginSaveRequest(
+        ref=ref, chunks=[chunk], parts=1, state=b'{"tensor":"w"}', timeout_ms=500
+    )
+    report = pb.ReportShardRequest(
+        ref=ref,
+        shard_path="shards/rank-00000.bin",
+        size=4096,
+        index_path="shards/rank-00000.json",
+        index_size=100,
+        index_blake3="0" * 64,
+        verify="full",
     )
     return {
         "OpenJob": lambda: pb.OpenJobRequest(job=job, attempt="a"),
-        "BeginSave": lambda: pb.BeginSaveRequest(
-            ref=ref, chunks=[chunk], parts=1, state=b'{"tensor":"w"}', timeout_ms=500
+        "BeginSave": lambda: begin,
+        "BeginSaveNode": lambda: pb.NodeBeginSaveRequest(node="node0", ranks=[begin]),
+        "KeepAliveNode": lambda: pb.NodeKeepAliveRequest(
+            node="node0", ranks=[pb.KeepAliveRequest(ref=ref)]
         ),
+        "ReportShardsNode": lambda: pb.NodeReportRequest(node="node0", ranks=[report]),
         "KeepAlive": lambda: pb.KeepAliveRequest(ref=ref),
-        "ReportShard": lambda: pb.ReportShardRequest(
-            ref=ref,
-            shard_path="shards/rank-00000.bin",
-            size=4096,
-            index_path="shards/rank-00000.json",
-            index_size=100,
-            index_blake3="0" * 64,
-            verify="full",
-        ),
+        "ReportShard": lambda: report,
         "AwaitCommit": lambda: pb.AwaitCommitRequest(ref=ref, timeout_ms=100),
         "AbortSave": lambda: pb.AbortSaveRequest(ref=ref, reason="x"),
         "ListCheckpoints": lambda: pb.ListCheckpointsRequest(job=job),

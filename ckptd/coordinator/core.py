@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from ckptd.coordinator import layouts, planning, retention
 from ckptd.coordinator import observer as obs
-from ckptd.coordinator import planning, retention
 from ckptd.coordinator.catalog import Catalog, SaveRecord
 from ckptd.coordinator.nodes import Nodes
 from ckptd.coordinator.queries import Queries
@@ -59,6 +59,7 @@ from ckptd.errors import (
     CheckpointExists,
     CkptError,
     InvalidRequest,
+    LayoutUnknown,
     SaveAborted,
     StaleGeneration,
     StepMismatch,
@@ -108,6 +109,7 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
         self.observer: obs.SaveObserver = obs.SaveObserver()  # metrics plug in here
         self._storages: dict[str, Storage] = {}
         self.sessions: dict[tuple[str, int], Session] = {}
+        self.layouts = layouts.LayoutCache()  # the ranks' plan layouts, for cached plans
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._open_lock = asyncio.Lock()
@@ -288,6 +290,8 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
         timeout_s: float | None = None,
         parent: int | None = None,
         node: str | None = None,
+        layout_digest: bytes = b"",
+        digests: bytes = b"",
     ) -> BeginResult:
         """One rank's plan (a part of it); `node`: the aggregator that sent it (nodes.py)."""
         job = self._check_ref(ref)
@@ -336,30 +340,42 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
         if s.status == ABORTED:
             raise s.abort_kind(f"job {job!r} step {ref.step}: the save was aborted ({s.reason})")
         where = f"job {job!r} step {ref.step} rank {ref.rank}"
+        cached = bool(layout_digest) and not chunks  # the layout's chunks, new digests
         try:
             s.claim(ref.rank, node)
-            for c in chunks:
+            layouts.check_fields(layout_digest, digests, cached, where)
+            if cached:
+                chunks = self.layouts.plan(
+                    job, ref.rank, layout_digest, part, parts, digests, where
+                )
+            for c in () if cached else chunks:
                 planning.check_chunk(c, where)
             if metadata is not None and not isinstance(metadata, dict):
                 raise InvalidRequest(f"{where}: metadata must be a JSON object")
             if state is not None:
                 values.check_node(state, f"{where} state")
         except CkptError as e:
-            # The other ranks learn it now instead of waiting out the barrier.
-            await self._abort(s, str(e), kind=type(e), outcome=obs.FAILED)
+            # The other ranks learn it now instead of waiting out the barrier; an unknown
+            # layout is no failure (the client resends the whole plan).
+            if not isinstance(e, LayoutUnknown):
+                await self._abort(s, str(e), kind=type(e), outcome=obs.FAILED)
             raise
         plan = s.plans.get(ref.rank)
         if plan is None:
             plan = s.plans[ref.rank] = RankPlan(parts)
         if plan.parts != parts:
-            raise InvalidRequest(
-                f"job {job!r} step {ref.step} rank {ref.rank}: parts changed {plan.parts} -> {parts}"
-            )
+            raise InvalidRequest(f"{where}: parts changed {plan.parts} -> {parts}")
         if part in plan.received and plan.received[part] != list(chunks):
-            raise InvalidRequest(
-                f"job {job!r} step {ref.step} rank {ref.rank}: part {part} re-sent with a different plan"
-            )
-        plan.received[part] = list(chunks)
+            raise InvalidRequest(f"{where}: part {part} re-sent with a different plan")
+        if plan.received and plan.layout != layout_digest:
+            raise InvalidRequest(f"{where}: the parts of the plan name different layouts")
+        plan.received[part], plan.layout = list(chunks), layout_digest
+        if plan.complete and layout_digest and not cached:
+            try:  # a lying claim could make later cached plans name other boxes
+                self.layouts.accept(job, ref.rank, layout_digest, plan.by_part(), where)
+            except InvalidRequest as e:
+                await self._abort(s, str(e), kind=InvalidRequest, outcome=obs.FAILED)
+                raise
         if state is not None:
             plan.state = state
         if metadata:
@@ -394,7 +410,11 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
     async def _plan(self, s: Session) -> None:
         try:
             s.chunks = {r: p.chunks() for r, p in s.plans.items()}
-            s.assignment = planning.assign(s.chunks, allow_divergent=s.allow_divergent)
+            key = s.layout_key()  # unchanged layouts: the last save's tiling and balance
+            s.assignment = planning.assign(
+                s.chunks, allow_divergent=s.allow_divergent, reuse=self.layouts.assigned(s.job, key)
+            )
+            self.layouts.keep_assigned(s.job, key, s.assignment)
             state = planning.merge_states({r: p.state for r, p in s.plans.items()})
             metadata = s.plans[0].metadata if 0 in s.plans else {}
         except CkptError as e:

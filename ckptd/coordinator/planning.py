@@ -21,7 +21,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from ckptd.errors import DivergentReplicas, InvalidRequest
 from ckptd.format import dtypes, hashing
@@ -64,6 +64,10 @@ class Assignment:
     write: dict[int, list[int]]  # rank -> indices into that rank's plan
     warnings: list[str]
     bytes_by_rank: dict[int, int]
+    # The holders (rank, index) of each replicated chunk: with `write`, what the ranks'
+    # layouts alone decide (no warnings: every replica agreed), so a later save of the
+    # same layouts reuses it and only compares the replicas' hashes (`assign(reuse=)`).
+    replicas: list[tuple[tuple[int, int], ...]] | None = None
 
 
 def check_chunk(c: ChunkPlan, where: str) -> None:
@@ -104,7 +108,10 @@ def check_chunk(c: ChunkPlan, where: str) -> None:
             f"bytes of {c.dtype} (field length)"
         )
     if not hashing.is_hex_digest(c.blake3):
-        raise InvalidRequest(f"{what}: blake3 must be a lowercase 64-digit hex digest")
+        raise InvalidRequest(
+            f"{what}: the chunk's blake3 digest must be {hashing.HEX_LEN // 2} raw bytes, got "
+            f"{len(c.blake3) // 2} (field digest)"
+        )
 
 
 def _overlap(a: ChunkPlan, b: ChunkPlan) -> bool:
@@ -117,8 +124,25 @@ def _overlap(a: ChunkPlan, b: ChunkPlan) -> bool:
 
 
 def assign(
-    plans: Mapping[int, Sequence[ChunkPlan]], *, allow_divergent: bool = False
+    plans: Mapping[int, Sequence[ChunkPlan]],
+    *,
+    allow_divergent: bool = False,
+    reuse: Assignment | None = None,
 ) -> Assignment:
+    """Who writes which chunk. reuse: the assignment of a save whose ranks had the same
+    layouts (ckptd.coordinator.layouts): its tiling and balance stand, and only the
+    replicas' hashes are compared (unless some differ and that is allowed: then the
+    lowest rank writes those, and everything is derived again)."""
+    if reuse is not None and reuse.replicas is not None:
+        diverged = [
+            m
+            for holders in reuse.replicas
+            if (m := _differ([(r, plans[r][i]) for r, i in holders])) is not None
+        ]
+        if diverged and not allow_divergent:
+            _refuse(diverged)
+        if not diverged:
+            return Assignment(reuse.write, [], reuse.bytes_by_rank, reuse.replicas)
     groups: dict[
         tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, int, ChunkPlan]]
     ] = {}
@@ -126,7 +150,7 @@ def assign(
         for i, c in enumerate(plans[rank]):
             groups.setdefault((c.key, c.chunk_offsets, c.chunk_sizes), []).append((rank, i, c))
     warnings: list[str] = []
-    diverged: list[str] = []
+    diverged = []
     lowest_rank_writes: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
     by_key: dict[str, list[ChunkPlan]] = {}
     for (key, _, _), holders in groups.items():
@@ -138,30 +162,16 @@ def assign(
         ):
             desc = ", ".join(f"rank {r}: {c.dtype}{list(c.shape)}" for r, _, c in holders[:8])
             raise DivergentReplicas(f"key {key!r}: ranks disagree on dtype or shape ({desc})")
-        hashes = {h[2].blake3 for h in holders}
-        if len(hashes) > 1:
-            by_hash: dict[str, list[int]] = {}
-            for r, _, c in holders:
-                by_hash.setdefault(c.blake3, []).append(r)
-            groups_desc = "; ".join(
-                f"ranks {rs[:8]}{'...' if len(rs) > 8 else ''} hold {h[:12]}"
-                for h, rs in by_hash.items()
-            )
-            msg = f"key {key!r}: replicas differ ({groups_desc})"
-            if allow_divergent:
-                warnings.append(msg + "; writing the lowest rank's copy (allow_divergent_replicas)")
-                lowest_rank_writes.add((key, first.chunk_offsets, first.chunk_sizes))
-            else:
-                diverged.append(msg)
+        msg = _differ([(r, c) for r, _, c in holders]) if len(holders) > 1 else None
+        if msg is None:
+            continue
+        if allow_divergent:
+            warnings.append(msg + "; writing the lowest rank's copy (allow_divergent_replicas)")
+            lowest_rank_writes.add((key, first.chunk_offsets, first.chunk_sizes))
+        else:
+            diverged.append(msg)
     if diverged:
-        more = f" (and {len(diverged) - 5} more keys)" if len(diverged) > 5 else ""
-        raise DivergentReplicas(
-            "ranks hold different values under the same key, so the save was refused: "
-            + " | ".join(diverged[:5])
-            + more
-            + ". A plain tensor or value under one key on several ranks is a replica and must be "
-            "equal everywhere; wrap values that are genuinely per rank in ckpt.PerRank(value)"
-        )
+        _refuse(diverged)
     for key, chunks in by_key.items():
         _check_tiling(key, chunks)
     # Largest first, to the least-loaded holder: a greedy balance of write bytes.
@@ -176,7 +186,33 @@ def assign(
         load[rank] += c.length
     for r in write:
         write[r].sort()
-    return Assignment(write, warnings, load)
+    replicas = [tuple((r, i) for r, i, _ in h) for h in groups.values() if len(h) > 1]
+    return Assignment(write, warnings, load, None if warnings else replicas)
+
+
+def _differ(holders: list[tuple[int, ChunkPlan]]) -> str | None:
+    """Why the replicas of one chunk (rank, chunk) differ, or None when their hashes agree."""
+    first = holders[0][1].blake3
+    if all(c.blake3 == first for _, c in holders):
+        return None
+    by_hash: dict[str, list[int]] = {}
+    for r, c in holders:
+        by_hash.setdefault(c.blake3, []).append(r)
+    groups_desc = "; ".join(
+        f"ranks {rs[:8]}{'...' if len(rs) > 8 else ''} hold {h[:12]}" for h, rs in by_hash.items()
+    )
+    return f"key {holders[0][1].key!r}: replicas differ ({groups_desc})"
+
+
+def _refuse(diverged: list[str]) -> NoReturn:
+    more = f" (and {len(diverged) - 5} more keys)" if len(diverged) > 5 else ""
+    raise DivergentReplicas(
+        "ranks hold different values under the same key, so the save was refused: "
+        + " | ".join(diverged[:5])
+        + more
+        + ". A plain tensor or value under one key on several ranks is a replica and must be "
+        "equal everywhere; wrap values that are genuinely per rank in ckpt.PerRank(value)"
+    )
 
 
 def _check_tiling(key: str, chunks: list[ChunkPlan]) -> None:

@@ -35,6 +35,7 @@ class RankPlan:
     received: dict[int, list[planning.ChunkPlan]] = dataclasses.field(default_factory=dict)
     state: Any = None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    layout: bytes = b""  # the layout digest the rank named (layouts.py), b"" for none
 
     @property
     def complete(self) -> bool:
@@ -42,6 +43,9 @@ class RankPlan:
 
     def chunks(self) -> list[planning.ChunkPlan]:
         return [c for p in range(self.parts) for c in self.received[p]]
+
+    def by_part(self) -> list[list[planning.ChunkPlan]]:
+        return [self.received[p] for p in range(self.parts)]
 
 
 class Session:
@@ -101,6 +105,14 @@ class Session:
                 + (f"node {owner!r} speaks for" if owner else "joined the save directly")
                 + "; a rank reports through the node that began its save"
             )
+
+    def layout_key(self) -> tuple[bytes, ...] | None:
+        """Every rank's layout digest in rank order, or None when some rank's plan has
+        chunks but named no layout (ckptd.coordinator.layouts)."""
+        plans = [self.plans[r] for r in range(self.world_size)]
+        if any(not p.layout and any(p.received.values()) for p in plans):
+            return None
+        return tuple(p.layout for p in plans)
 
     def fail(self, reason: str, kind: type[CkptError] = SaveAborted) -> None:
         self.status, self.reason, self.abort_kind = ABORTED, reason, kind

@@ -28,9 +28,10 @@ from typing import Any, TypeVar
 import grpc
 
 from ckptd.coordinator.catalog import SaveRecord
+from ckptd.coordinator.layouts import layout_digest
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport, StatusResult
-from ckptd.errors import CkptError, CoordinatorUnavailable
+from ckptd.errors import CkptError, CoordinatorUnavailable, LayoutUnknown
 from ckptd.server import converters as cv
 from ckptd.server.errors import error_from
 from ckptd.v1 import coordinator_pb2 as pb
@@ -76,6 +77,9 @@ class CoordinatorClient:
         self.connect_retry_s = connect_retry_s
         self.reached = False  # has the coordinator ever answered this client?
         self.lease_s: float | None = None  # the lease it granted, once a save began
+        # Per (job, rank): the layout digest of the last plan the coordinator accepted,
+        # so an unchanged layout is sent as a cached plan (ckptd.coordinator.layouts).
+        self.layouts: dict[tuple[str, int], bytes] = {}
 
     def retry_window_s(self) -> float:
         """How long UNAVAILABLE is retried (see the module docstring)."""
@@ -155,33 +159,36 @@ class CoordinatorClient:
         timeout_s: float,
         parent: int | None = None,
     ) -> BeginResult:
-        what = _what(ref)
-        parts = max(1, -(-len(chunks) // PLAN_PART_CHUNKS))
+        """BeginSave with the rank's plan, in parts. A plan whose layout the coordinator
+        accepted from this rank last time goes as a cached plan (the layout's digest and
+        the chunks' digests); a coordinator that no longer holds it (restarted) answers
+        LayoutUnknown and gets the whole plan, once."""
+        layout = layout_digest(chunks) if chunks else b""
+        key = (ref.job, ref.rank)
+        common = dict(
+            state=json.dumps(state, separators=(",", ":")).encode(),
+            metadata=json.dumps(metadata or {}).encode(),
+            allow_divergent_replicas=allow_divergent,
+            keep_last=keep_last,
+            timeout_ms=int(timeout_s * 1000),
+            parent=parent,
+        )
+
+        def send(cached: bool) -> pb.BeginSaveResponse:
+            return self._begin_parts(ref, chunks, layout, common, timeout_s, cached=cached)
+
         r = None
-        for part in range(parts):
-            last = part == parts - 1
-            req = pb.BeginSaveRequest(
-                ref=cv.ref_to_pb(ref),
-                chunks=[
-                    cv.chunk_to_pb(c)
-                    for c in chunks[part * PLAN_PART_CHUNKS : (part + 1) * PLAN_PART_CHUNKS]
-                ],
-                part=part,
-                parts=parts,
-                state=json.dumps(state, separators=(",", ":")).encode() if last else b"",
-                metadata=json.dumps(metadata or {}).encode() if last else b"",
-                allow_divergent_replicas=allow_divergent,
-                keep_last=keep_last,
-                timeout_ms=int(timeout_s * 1000),
-                parent=parent,
-            )
-            # The last part waits at the barrier for every rank.
-            r = self._call(
-                what, self._stub.BeginSave, req, timeout_s=timeout_s + 30 if last else None
-            )
-        assert r is not None
+        if layout and self.layouts.get(key) == layout:
+            try:
+                r = send(cached=True)
+            except LayoutUnknown:
+                self.layouts.pop(key, None)
+        if r is None:
+            r = send(cached=False)
         if not r.complete:
-            raise CkptError(f"{what}: the coordinator did not accept the whole plan")
+            raise CkptError(f"{_what(ref)}: the coordinator did not accept the whole plan")
+        if layout:
+            self.layouts[key] = layout
         begun = cv.begin_from_pb(r)
         if begun.lease_s > 0:
             self.lease_s = begun.lease_s
@@ -229,6 +236,37 @@ class CoordinatorClient:
 
     def abort_save_pb(self, req: pb.AbortSaveRequest) -> pb.SaveStatus:
         return self._call(_what_pb(req.ref), self._stub.AbortSave, req, timeout_s=10)
+
+    def _begin_parts(
+        self,
+        ref: SaveRef,
+        chunks: Sequence[ChunkPlan],
+        layout: bytes,
+        common: dict[str, Any],
+        timeout_s: float,
+        *,
+        cached: bool,
+    ) -> pb.BeginSaveResponse:
+        """Every part of one BeginSave; the answer to the last (which waits at the barrier)."""
+        parts = max(1, -(-len(chunks) // PLAN_PART_CHUNKS))
+        r = None
+        for part in range(parts):
+            last = part == parts - 1
+            mine = chunks[part * PLAN_PART_CHUNKS : (part + 1) * PLAN_PART_CHUNKS]
+            req = pb.BeginSaveRequest(
+                ref=cv.ref_to_pb(ref),
+                chunks=[] if cached else [cv.chunk_to_pb(c) for c in mine],
+                digests=b"".join(bytes.fromhex(c.blake3) for c in mine) if cached else b"",
+                layout_digest=layout,
+                part=part,
+                parts=parts,
+                **(common if last else {**common, "state": b"", "metadata": b""}),
+            )
+            r = self._call(
+                _what(ref), self._stub.BeginSave, req, timeout_s=timeout_s + 30 if last else None
+            )
+        assert r is not None
+        return r
 
     def keep_alive(self, ref: SaveRef) -> StatusResult:
         return cv.status_from_pb(

@@ -45,7 +45,9 @@ def chunk_from_pb(c: pb.Chunk) -> ChunkPlan:
         chunk_offsets=tuple(c.chunk_offsets),
         chunk_sizes=tuple(c.chunk_sizes),
         length=c.length,
-        blake3=c.blake3,
+        # Raw on the wire, hex in the plan (its messages and the indexes show hex); a
+        # digest of the wrong length stays one, for check_chunk to refuse with the key.
+        blake3=c.digest.hex(),
     )
 
 
@@ -57,7 +59,7 @@ def chunk_to_pb(c: ChunkPlan) -> pb.Chunk:
         chunk_offsets=c.chunk_offsets,
         chunk_sizes=c.chunk_sizes,
         length=c.length,
-        blake3=c.blake3,
+        digest=bytes.fromhex(c.blake3),
     )
 
 

@@ -35,6 +35,7 @@ TO_CODE: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (E.StaleGeneration, grpc.StatusCode.FAILED_PRECONDITION),
     (E.DivergentReplicas, grpc.StatusCode.FAILED_PRECONDITION),
     (E.StepMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (E.LayoutUnknown, grpc.StatusCode.FAILED_PRECONDITION),  # the client resends the plan
     (E.SaveAborted, grpc.StatusCode.ABORTED),
     (E.CheckpointExists, grpc.StatusCode.ALREADY_EXISTS),
     (E.CheckpointNotFound, grpc.StatusCode.NOT_FOUND),
@@ -66,6 +67,7 @@ KINDS: dict[str, type[E.CkptError]] = {
         E.StateMismatch,
         E.StorageError,
         E.InvalidRequest,
+        E.LayoutUnknown,
         E.Unauthenticated,
         E.CoordinatorUnavailable,
         E.SaveFailed,

@@ -171,5 +171,7 @@ def _begin_call(
             "keep_last": request.keep_last,
             "timeout_s": request.timeout_ms / 1000 if request.timeout_ms else None,
             "parent": cv.parent_from_pb(request),
+            "layout_digest": request.layout_digest,
+            "digests": request.digests,
         },
     )

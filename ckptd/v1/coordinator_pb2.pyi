@@ -89,25 +89,25 @@ class SaveRef(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("key", "dtype", "shape", "chunk_offsets", "chunk_sizes", "length", "blake3")
+    __slots__ = ("key", "dtype", "shape", "chunk_offsets", "chunk_sizes", "length", "digest")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZES_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
-    BLAKE3_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     key: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     chunk_offsets: _containers.RepeatedScalarFieldContainer[int]
     chunk_sizes: _containers.RepeatedScalarFieldContainer[int]
     length: int
-    blake3: str
-    def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunk_offsets: _Optional[_Iterable[int]] = ..., chunk_sizes: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., blake3: _Optional[str] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunk_offsets: _Optional[_Iterable[int]] = ..., chunk_sizes: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("ref", "chunks", "part", "parts", "state", "metadata", "allow_divergent_replicas", "keep_last", "timeout_ms", "parent")
+    __slots__ = ("ref", "chunks", "part", "parts", "state", "metadata", "allow_divergent_replicas", "keep_last", "timeout_ms", "parent", "layout_digest", "digests")
     REF_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,8 @@ class BeginSaveRequest(_message.Message):
     KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
     ref: SaveRef
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
     part: int
@@ -128,7 +130,9 @@ class BeginSaveRequest(_message.Message):
     keep_last: int
     timeout_ms: int
     parent: int
-    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., state: _Optional[bytes] = ..., metadata: _Optional[bytes] = ..., allow_divergent_replicas: _Optional[bool] = ..., keep_last: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., parent: _Optional[int] = ...) -> None: ...
+    layout_digest: bytes
+    digests: bytes
+    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., state: _Optional[bytes] = ..., metadata: _Optional[bytes] = ..., allow_divergent_replicas: _Optional[bool] = ..., keep_last: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., parent: _Optional[int] = ..., layout_digest: _Optional[bytes] = ..., digests: _Optional[bytes] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
     __slots__ = ("shard_path", "index_path", "write", "lease_ms", "warnings", "complete")
