@@ -182,6 +182,9 @@ def test_two_nodes_save_through_their_aggregators(tmp_path: Path) -> None:
     assert [r["hosts_aggregator"] for r in results] == [True, False, True, False], results
     m = json.loads((job / "step-000000000001" / "MANIFEST.json").read_text())
     assert [s["rank"] for s in m["shards"]] == [0, 1, 2, 3]
+    # Steps 2 and 3 repeat the layout: cached plans go through the aggregators and commit.
+    assert all(r.get("steps_2_3") == "COMMITTED" and r["layout_known"] for r in results), logs
+    assert (job / "step-000000000003" / "MANIFEST.json").exists()
 
 
 @pytest.mark.multiprocess
