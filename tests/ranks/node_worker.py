@@ -51,6 +51,7 @@ def entry(rank: int, world: int, per_node: int, port: int, job: str, out: str, c
             )
             ck.wait()
         res["steps_2_3"] = "COMMITTED"
+        dist.barrier()  # rank 0 hosts the coordinator: it stays until every rank is done
         res["layout_known"] = bool(conn.save_client is not None and conn.save_client.layouts)
     if crash:
         os.environ["CKPT_CRASH_AT"] = crash
