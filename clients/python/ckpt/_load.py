@@ -378,8 +378,6 @@ def _try_step_shared(
                 done = True
             except BaseException as e:  # noqa: BLE001 - raised by the caller once agreed
                 done = _failed(failures, tiers, name, st, at, e, quarantine, on_quarantine, rank)
-        elif together:  # unreachable: a rank that did not plan announces "skip"
-            raise AssertionError("a shared read without a plan")
         if peers.all_max(0 if done else 1) == 0:
             break
     return res, failures
@@ -434,15 +432,11 @@ class _Reader:
     threads: int | None
 
     def alone(self) -> Reads:
-        return functools.partial(_read_alone, threads=self.threads)
+        return functools.partial(read_planned, threads=self.threads)
 
     def together(self, said: Sequence[_shared.Announce]) -> Reads:
         assert self.peers is not None
         return functools.partial(_read_together, self.peers, said, threads=self.threads)
-
-
-def _read_alone(ck: OpenCheckpoint, plan: BoxPlan, *, threads: int | None) -> int:
-    return read_planned(ck, plan, threads=threads)
 
 
 def _read_together(

@@ -39,7 +39,7 @@ from ckpt._flatten import PerRank, is_stateful, readable_in_place, tensor_bytes
 from ckptd.errors import InvalidManifest, StateMismatch
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import dtypes, layout, values
-from ckptd.format.boxes import BoxPlan, BoxRead, plan_boxes, read_planned, saved_entry
+from ckptd.format.boxes import BoxPlan, BoxRead, plan_boxes, read_boxes, saved_entry
 from ckptd.format.checkpoint import OpenCheckpoint
 from ckptd.format.manifest import IndexEntry
 from ckptd.storage.base import Storage
@@ -87,6 +87,10 @@ _NUMPY_DTYPES = frozenset(
     "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 "
     "complex64 complex128".split()
 )
+
+
+def _box(d: _Dest) -> BoxRead:
+    return BoxRead(d.key, d.offsets, d.sizes, d.bytes)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
@@ -493,17 +497,13 @@ class Planner:
 
     def _read_dests(self, dests: Sequence[_Dest]) -> int:
         """Read a few boxes now, this rank alone (a numpy scalar's bytes, while planning)."""
-        return read_planned(
-            self.ckpt,
-            plan_boxes(self.ckpt, [BoxRead(d.key, d.offsets, d.sizes, d.bytes) for d in dests]),
-        )
+        return read_boxes(self.ckpt, [_box(d) for d in dests])
 
     def box_plan(self) -> BoxPlan:
         """The shard reads of every planned key (what a shared read announces); made once,
         after planning."""
         if self._box_plan is None:
-            boxes = [BoxRead(d.key, d.offsets, d.sizes, d.bytes) for d in self.dests.values()]
-            self._box_plan = plan_boxes(self.ckpt, boxes)
+            self._box_plan = plan_boxes(self.ckpt, [_box(d) for d in self.dests.values()])
         return self._box_plan
 
     def read(self, reads: Callable[[BoxPlan], int]) -> int:
@@ -526,10 +526,6 @@ class Planner:
 Reads = Callable[[OpenCheckpoint, BoxPlan], int]
 
 
-def _read_alone(ck: OpenCheckpoint, plan: BoxPlan) -> int:
-    return read_planned(ck, plan)
-
-
 @dataclasses.dataclass
 class PreparedStep:
     """A step opened and planned against a state; nothing read yet."""
@@ -540,11 +536,10 @@ class PreparedStep:
     restored: Any
     t0: float
 
-    def read(self, reads: Reads | None = None) -> LoadResult:
-        """Read it (this rank alone from storage, or through `reads`); the LoadResult."""
+    def read(self, reads: Reads) -> LoadResult:
+        """Read it through `reads` (this rank alone, or with its peers); the LoadResult."""
         ck, planner = self.ckpt, self.planner
-        how = reads or _read_alone
-        nbytes = planner.read(lambda plan: how(ck, plan))
+        nbytes = planner.read(lambda plan: reads(ck, plan))
         return LoadResult(
             step=ck.step,
             path=f"{self.storage.url}/{layout.step_dir(ck.step)}",
