@@ -23,7 +23,8 @@ import logging
 import os
 import socket
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ckpt import _world
 from ckpt._embedded import EmbeddedCoordinator
@@ -146,20 +147,19 @@ def _join_node(conn: Connection, path: str, rank: int, world_size: int, token: s
     name, ranks = node
     key = f"ckptd/node/{path}/{conn.attempt}/{name}"
     if rank == ranks[0]:
-        try:
-            conn.aggregator = NodeAggregator(conn.client, name, ranks, token=token)
-        except (OSError, CkptError) as e:
-            store.set(key, json.dumps({"error": str(e)}))  # type: ignore[attr-defined]
-            raise
-        info: dict[str, Any] = {"address": conn.aggregator.address, "ranks": ranks}
-        store.set(key, json.dumps(info))  # type: ignore[attr-defined]
+        agg = conn.aggregator = _hosted(
+            store, key, lambda: NodeAggregator(conn.client, name, ranks, token=token)
+        )
+        info = _publish(store, key, {"address": agg.address, "ranks": ranks})
     else:
-        info = json.loads(store.get(key))  # type: ignore[attr-defined]
-        if "error" in info:
-            raise CkptError(
-                f"job {path!r} rank {rank}: local rank 0 of node {name!r} could not host the "
-                f"node's aggregator: {info['error']} (CKPT_NODE_AGGREGATOR=0 opts out)"
-            )
+        info = _published(
+            store,
+            key,
+            lambda error: (
+                f"job {path!r} rank {rank}: local rank 0 of node {name!r} could not "
+                f"host the node's aggregator: {error} (CKPT_NODE_AGGREGATOR=0 opts out)"
+            ),
+        )
         if rank not in info["ranks"]:
             log.warning(
                 "job %r rank %d: node %s's aggregator serves ranks %s, not this one; saving "
@@ -200,28 +200,60 @@ def _zero_config(
     if rank == 0:
         single_node = os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
         host = "127.0.0.1" if single_node else "0.0.0.0"  # noqa: S104 - other nodes must reach it
-        try:
-            embedded = EmbeddedCoordinator(
+        embedded = _hosted(
+            store,
+            key,
+            lambda: EmbeddedCoordinator(
                 path, host=host, lease_s=lease_s, barrier_timeout_s=barrier_timeout_s
-            )
-        except CkptError as e:
-            # The other ranks wait for this key: tell them why, not a store timeout later.
-            store.set(key, json.dumps({"error": str(e)}))  # type: ignore[attr-defined]
-            raise
-        info = {
-            "address": embedded.address,
-            "token": embedded.token,
-            "attempt": attempt or str(uuid.uuid4()),
-        }
-        store.set(key, json.dumps(info))  # type: ignore[attr-defined]
+            ),
+        )
+        info = _publish(
+            store,
+            key,
+            {
+                "address": embedded.address,
+                "token": embedded.token,
+                "attempt": attempt or str(uuid.uuid4()),
+            },
+        )
     else:
-        info = json.loads(store.get(key))  # type: ignore[attr-defined]
-        if "error" in info:
-            raise CkptError(
-                f"job {path!r} rank {rank} of {world_size}: rank 0 could not host the job's "
-                f"coordinator: {info['error']}"
-            )
+        info = _published(
+            store,
+            key,
+            lambda error: (
+                f"job {path!r} rank {rank} of {world_size}: rank 0 could not host "
+                f"the job's coordinator: {error}"
+            ),
+        )
     return info["address"], info["token"], info["attempt"], embedded
+
+
+T = TypeVar("T")
+
+
+def _hosted(store: Any, key: str, host: Callable[[], T]) -> T:
+    """The hosting rank starts what the others will reach; when it cannot, it publishes
+    why under `key` first: the others wait for that key, and learn the cause instead of
+    a store timeout later."""
+    try:
+        return host()
+    except (OSError, CkptError) as e:
+        store.set(key, json.dumps({"error": str(e)}))
+        raise
+
+
+def _publish(store: Any, key: str, info: dict[str, Any]) -> dict[str, Any]:
+    store.set(key, json.dumps(info))
+    return info
+
+
+def _published(store: Any, key: str, failed: Callable[[str], str]) -> dict[str, Any]:
+    """What the hosting rank published under `key` (waits for it); when it could not host,
+    CkptError(failed(its error))."""
+    info: dict[str, Any] = json.loads(store.get(key))
+    if "error" in info:
+        raise CkptError(failed(info["error"]))
+    return info
 
 
 def _shared_attempt(path: str, rank: int, world_size: int) -> str:
