@@ -11,11 +11,9 @@ Writes OUT_DIR/rank<r>.json: {"rank", "state_bytes", "written", "exact", "error"
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import sys
-import traceback
+
+from ranks.gloo_rank import run_rank
 
 N_TENSORS = 8
 
@@ -70,40 +68,11 @@ def scenario(rank: int, world: int, job: str, spec: dict) -> dict:
 
 
 def spawn_entry(rank: int, world: int, port: int, job: str, out_dir: str, spec: dict) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    log = os.open(
-        os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
+    run_rank(
+        rank,
+        world,
+        port,
+        log=os.path.join(out_dir, f"rank{rank}.log"),
+        result=os.path.join(out_dir, f"rank{rank}.json"),
+        body=lambda: scenario(rank, world, job, spec),
     )
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    import torch.distributed as dist
-
-    result: dict = {"rank": rank}
-    code = 0
-    try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-        )
-        try:
-            result = scenario(rank, world, job, spec)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported through the result file
-        result["error"] = traceback.format_exc()
-        traceback.print_exc()
-        code = 1
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        sys.exit(code)

@@ -17,13 +17,11 @@ Each rank writes OUT_DIR/<mode>-rank<r>.json: {"checks": {name: bool}, "result":
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import sys
-import traceback
 import zlib
 from typing import Any
+
+from ranks.gloo_rank import run_rank
 
 SHAPES = {
     "rows": (
@@ -190,53 +188,17 @@ def load(rank: int, world: int, job: str, out_dir: str, want_step: int) -> dict[
     }
 
 
-def _run(rank: int, world: int, mode: str, job: str, out_dir: str) -> int:
-    import torch.distributed as dist
-
-    result: dict[str, Any] = {"rank": rank}
-    code = 0
-    try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-        )
-        try:
-            if mode == "save":
-                result.update(save(rank, world, job, out_dir))
-            else:
-                result.update(
-                    load(rank, world, job, out_dir, 10 if mode == "load-fallback" else 20)
-                )
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported through the result file
-        result["error"] = traceback.format_exc()
-        traceback.print_exc()
-        code = 1
-    with open(os.path.join(out_dir, f"{mode}-w{world}-rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    return code
-
-
 def entry(rank: int, world: int, port: int, mode: str, job: str, out_dir: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    log = os.open(
-        os.path.join(out_dir, f"{mode}-w{world}-rank{rank}.log"),
-        os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-        0o644,
+    def body() -> dict[str, Any]:
+        if mode == "save":
+            return save(rank, world, job, out_dir)
+        return load(rank, world, job, out_dir, 10 if mode == "load-fallback" else 20)
+
+    run_rank(
+        rank,
+        world,
+        port,
+        log=os.path.join(out_dir, f"{mode}-w{world}-rank{rank}.log"),
+        result=os.path.join(out_dir, f"{mode}-w{world}-rank{rank}.json"),
+        body=body,
     )
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    code = _run(rank, world, mode, job, out_dir)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        sys.exit(code)

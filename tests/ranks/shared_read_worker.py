@@ -12,13 +12,11 @@ rank writes OUT_DIR/<mode>-rank<r>.json with the bytes this process read from st
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import sys
-import traceback
 import zlib
 from typing import Any
+
+from ranks.gloo_rank import run_rank
 
 REP = {f"rep.{i}": 1 << 18 for i in range(6)}  # 6 x 1 MiB of float32, replicated
 HALF_ROWS, HALF_COLS = 512, 256  # 512 KiB of float32 rows per rank
@@ -112,54 +110,17 @@ def _corrupt_what_rank_receives() -> None:
     _shared_read._transfer = flipping
 
 
-def _run(rank: int, world: int, mode: str, job: str, out_dir: str) -> int:
-    import torch.distributed as dist
-
-    result: dict[str, Any] = {"rank": rank, "checks": {}}
-    code = 0
-    try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-        )
-        try:
-            result.update(
-                save(rank, world, job) if mode == "save" else load(rank, world, job, mode)
-            )
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported through the result file
-        result["error"] = traceback.format_exc()
-        traceback.print_exc()
-        code = 1
-    with open(os.path.join(out_dir, f"{_name(mode)}-rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    return code
-
-
 def _name(mode: str) -> str:
     return mode.replace(":", "_").replace("*", "x").replace("/", "_")
 
 
 def entry(rank: int, world: int, port: int, mode: str, job: str, out_dir: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    log = os.open(
-        os.path.join(out_dir, f"{_name(mode)}-rank{rank}.log"),
-        os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-        0o644,
+    run_rank(
+        rank,
+        world,
+        port,
+        log=os.path.join(out_dir, f"{_name(mode)}-rank{rank}.log"),
+        result=os.path.join(out_dir, f"{_name(mode)}-rank{rank}.json"),
+        body=lambda: save(rank, world, job) if mode == "save" else load(rank, world, job, mode),
+        base={"rank": rank, "checks": {}},
     )
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    code = _run(rank, world, mode, job, out_dir)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        sys.exit(code)
