@@ -255,6 +255,7 @@ class Rank:
         """As CoordinatorClient.begin_save sends it; `cached`: the layout's digest and the
         chunks' digests only (the coordinator holds this rank's layout from a save before)."""
         plan = ChunkPlan.of_items(self.items, self.digests)
+        state, rank_state = cv.state_fields(self.state)
         return pb.BeginSaveRequest(
             ref=ref,
             chunks=[] if cached else [cv.chunk_to_pb(c) for c in plan],
@@ -262,7 +263,8 @@ class Rank:
             layout_digest=layout_digest(plan),
             part=0,
             parts=1,
-            state=json.dumps(self.state, separators=(",", ":")).encode(),
+            state=state,
+            rank_state=rank_state,
             metadata=json.dumps({"bench": "coordinator_scale"}).encode(),
             timeout_ms=int(CALL_TIMEOUT_S * 1000),
         )

@@ -68,7 +68,7 @@ from ckptd.errors import (
 )
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import hashing, layout, values
+from ckptd.format import hashing, layout
 from ckptd.storage import JobLocation, Storage, open_storage
 
 log = logging.getLogger("ckptd.coordinator")
@@ -292,8 +292,11 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
         node: str | None = None,
         layout_digest: bytes = b"",
         digests: bytes = b"",
+        rank_state: list[Any] | None = None,
     ) -> BeginResult:
-        """One rank's plan (a part of it); `node`: the aggregator that sent it (nodes.py)."""
+        """One rank's plan (a part of it); `node`: the aggregator that sent it (nodes.py).
+        `rank_state`: the rank's per-rank entries, sent apart from `state`
+        (values.split_per_rank)."""
         job = self._check_ref(ref)
         if not (1 <= parts <= 100_000 and 0 <= part < parts):
             raise InvalidRequest(
@@ -352,8 +355,7 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
                 planning.check_chunk(c, where)
             if metadata is not None and not isinstance(metadata, dict):
                 raise InvalidRequest(f"{where}: metadata must be a JSON object")
-            if state is not None:
-                values.check_node(state, f"{where} state")
+            s.check_state(state, rank_state, where)
         except CkptError as e:
             # The other ranks learn it now instead of waiting out the barrier; an unknown
             # layout is no failure (the client resends the whole plan).
@@ -377,7 +379,7 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
                 await self._abort(s, str(e), kind=InvalidRequest, outcome=obs.FAILED)
                 raise
         if state is not None:
-            plan.state = state
+            plan.state, plan.rank_state = state, rank_state
         if metadata:
             plan.metadata = metadata
         s.allow_divergent = s.allow_divergent or allow_divergent
@@ -415,7 +417,10 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
                 s.chunks, allow_divergent=s.allow_divergent, reuse=self.layouts.assigned(s.job, key)
             )
             self.layouts.keep_assigned(s.job, key, s.assignment)
-            state = planning.merge_states({r: p.state for r, p in s.plans.items()})
+            state = planning.merge_states(
+                {r: p.state for r, p in s.plans.items()},
+                {r: p.rank_state for r, p in s.plans.items() if p.rank_state},
+            )
             metadata = s.plans[0].metadata if 0 in s.plans else {}
         except CkptError as e:
             await self._abort(s, str(e), kind=type(e), outcome=obs.FAILED)

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from ckptd.errors import DivergentReplicas, InvalidRequest
-from ckptd.format import dtypes, hashing
+from ckptd.format import dtypes, hashing, values
 from ckptd.format.manifest import MAX_DIMS, MAX_ELEMENTS, MAX_KEY_LEN
 
 
@@ -261,14 +261,25 @@ def _check_disjoint(key: str, chunks: list[ChunkPlan]) -> None:
 # ----------------------------------------------------------------------------- state
 
 
-def merge_states(states: Mapping[int, Any]) -> Any:
+def merge_states(
+    states: Mapping[int, Any], rank_entries: Mapping[int, Sequence[Any]] | None = None
+) -> Any:
     """One state tree from every rank's: equal everywhere except per-rank nodes.
 
-    All ranks are merged in one walk (per-rank entries are gathered, not re-merged pair by
-    pair), so the cost is linear in ranks x tree size.
+    `rank_entries[r]`: rank r's per-rank entries sent apart from its tree
+    (values.split_per_rank). When every rank's tree is one object (the servicer parses
+    equal bytes once), the merge only fills its per-rank slots: linear in ranks x slots.
+    Otherwise each rank's tree is rebuilt and all are merged in one walk (per-rank entries
+    gathered, not re-merged pair by pair): linear in ranks x tree size. Identity, not
+    `==`, decides: `==` holds 1 and true equal, which replicas must not be.
     """
     ranks = sorted(states)
-    return _merge_all([(r, states[r]) for r in ranks], "")
+    entries = rank_entries or {}
+    first = states[ranks[0]]
+    if all(states[r] is first for r in ranks):
+        return values.join_per_rank(first, [entries.get(r) or () for r in ranks])
+    trees = [(r, values.join_per_rank(states[r], [entries.get(r) or ()])) for r in ranks]
+    return _merge_all(trees, "")
 
 
 def _merge_all(nodes: list[tuple[int, Any]], path: str) -> Any:

@@ -20,7 +20,7 @@ from ckptd.coordinator import planning
 from ckptd.coordinator.types import ABORTED, OPEN, ShardReport, StatusResult
 from ckptd.errors import CkptError, InvalidRequest, SaveAborted
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import hashing, layout
+from ckptd.format import hashing, layout, values
 from ckptd.format.manifest import Manifest, load_json, parse_index
 from ckptd.storage import Storage
 
@@ -34,6 +34,7 @@ class RankPlan:
     parts: int
     received: dict[int, list[planning.ChunkPlan]] = dataclasses.field(default_factory=dict)
     state: Any = None
+    rank_state: list[Any] | None = None  # its per-rank entries, when sent apart from state
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     layout: bytes = b""  # the layout digest the rank named (layouts.py), b"" for none
 
@@ -82,6 +83,19 @@ class Session:
         self.metadata: dict[str, Any] = {}
         self.all_reported = 0.0  # monotonic time of the last shard's report
         self.abort_kind: type[CkptError] = SaveAborted  # what a rank arriving later gets
+        # The last state tree checked, and its per-rank slots: the ranks of a save send
+        # one tree (values.split_per_rank), parsed once by the servicer into one object.
+        self._checked: tuple[Any, int] | None = None
+
+    def check_state(self, state: Any, rank_state: list[Any] | None, where: str) -> None:
+        """A rank's state tree and its per-rank entries, checked (the tree once a save)."""
+        if state is None:
+            return
+        if self._checked is None or self._checked[0] is not state:
+            values.check_node(state, f"{where} state")
+            self._checked = (state, values.count_per_rank(state))
+        if rank_state is not None:
+            values.check_rank_entries(rank_state, self._checked[1], f"{where} rank_state")
 
     def claim(self, rank: int, node: str | None) -> None:
         """`node` speaks for `rank` in this save (its BeginSave came in that node's batch);

@@ -33,7 +33,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ckptd.errors import InvalidManifest
@@ -348,3 +348,94 @@ def decode(node: Any, tensor: Callable[[str, str], Any]) -> Any:
     if tag == "per_rank":
         return {int(r): decode(n, tensor) for r, n in body}
     raise InvalidManifest(f"unknown tag {tag!r}")
+
+
+# -- per-rank nodes apart: what every rank shares, and what is each rank's own ---------------
+# A save's ranks send trees that are equal except their per-rank nodes. Sent whole, every
+# rank's tree differs, and the coordinator parses, checks and merges N trees. Sent apart
+# (the tree with each per-rank node emptied, plus the rank's own entries in walk order),
+# the N trees are N copies of one byte string: parsed and checked once, merged by filling
+# the slots (ckptd.coordinator.planning.merge_states).
+
+
+def split_per_rank(node: Any) -> tuple[Any, list[list[Any]]]:
+    """(the tree with every per-rank node's entries taken out, the entries of each per-rank
+    node in walk order). join_per_rank puts them back."""
+    slots: list[list[Any]] = []
+
+    def walk(n: Any) -> Any:
+        if not isinstance(n, dict) or len(n) != 1:
+            return n
+        ((tag, body),) = n.items()
+        if tag in ("list", "tuple"):
+            return {tag: [walk(c) for c in body]}
+        if tag == "dict":
+            return {"dict": [[k, walk(v)] for k, v in body]}
+        if tag == "stateful":
+            return {"stateful": walk(body)}
+        if tag == "per_rank":
+            slots.append(body)
+            return {"per_rank": []}
+        return n
+
+    return walk(node), slots
+
+
+def count_per_rank(node: Any) -> int:
+    """How many per-rank nodes a (validated) tree holds, outermost ones only."""
+    count, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            ((tag, body),) = n.items()
+            if tag in ("list", "tuple"):
+                stack.extend(body)
+            elif tag == "dict":
+                stack.extend(v for _, v in body)
+            elif tag == "stateful":
+                stack.append(body)
+            elif tag == "per_rank":
+                count += 1
+    return count
+
+
+def check_rank_entries(entries: Any, slots: int, where: str) -> None:
+    """A rank's per-rank entries (split_per_rank's second part) against a tree of `slots`
+    per-rank nodes: one list of [rank, node] pairs a node."""
+    if not isinstance(entries, list) or len(entries) != slots:
+        n = len(entries) if isinstance(entries, list) else type(entries).__name__
+        raise InvalidManifest(
+            f"{where}: {n} per-rank entries for a state with {slots} per-rank node(s); the "
+            "client sends one list of [rank, node] pairs per per-rank node, in tree order"
+        )
+    for i, body in enumerate(entries):
+        check_node({"per_rank": body}, f"{where}[{i}]", 1)
+
+
+def join_per_rank(node: Any, entries: Sequence[Sequence[Sequence[Any]]]) -> Any:
+    """The tree with its i-th per-rank node holding its own pairs, then entries[j][i] of
+    each j in order (an empty entries[j]: none); a rank's first pair wins (a rank restores
+    one value), as when whole trees are merged."""
+    counter = iter(range(1 << 62))
+
+    def walk(n: Any) -> Any:
+        if not isinstance(n, dict) or len(n) != 1:
+            return n
+        ((tag, body),) = n.items()
+        if tag in ("list", "tuple"):
+            return {tag: [walk(c) for c in body]}
+        if tag == "dict":
+            return {"dict": [[k, walk(v)] for k, v in body]}
+        if tag == "stateful":
+            return {"stateful": walk(body)}
+        if tag == "per_rank":
+            i = next(counter)
+            merged, seen = [], set()
+            for pair in [*body, *(p for e in entries if e for p in e[i])]:
+                if int(pair[0]) not in seen:
+                    seen.add(int(pair[0]))
+                    merged.append(pair)
+            return {"per_rank": merged}
+        return n
+
+    return walk(node)

@@ -165,8 +165,10 @@ class CoordinatorClient:
         LayoutUnknown and gets the whole plan, once."""
         layout = layout_digest(chunks) if chunks else b""
         key = (ref.job, ref.rank)
+        shared_state, rank_state = cv.state_fields(state)
         common = dict(
-            state=json.dumps(state, separators=(",", ":")).encode(),
+            state=shared_state,
+            rank_state=rank_state,
             metadata=json.dumps(metadata or {}).encode(),
             allow_divergent_replicas=allow_divergent,
             keep_last=keep_last,
@@ -260,7 +262,9 @@ class CoordinatorClient:
                 layout_digest=layout,
                 part=part,
                 parts=parts,
-                **(common if last else {**common, "state": b"", "metadata": b""}),
+                **(
+                    common if last else {**common, "state": b"", "rank_state": b"", "metadata": b""}
+                ),
             )
             r = self._call(
                 _what(ref), self._stub.BeginSave, req, timeout_s=timeout_s + 30 if last else None

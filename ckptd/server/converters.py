@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -9,6 +10,7 @@ from ckptd.coordinator import types
 from ckptd.coordinator.catalog import SaveRecord
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.errors import InvalidRequest
+from ckptd.format import values
 from ckptd.v1 import coordinator_pb2 as pb
 
 MAX_JSON_BYTES = 4 << 20
@@ -64,6 +66,9 @@ def chunk_to_pb(c: ChunkPlan) -> pb.Chunk:
 
 
 def json_field(data: bytes, what: str) -> Any:
+    """A JSON field of a request, parsed strictly. Equal bytes give one shared object (a
+    save's ranks send one state tree and one metadata object: parsed once, and the core
+    checks and merges the tree once); callers never mutate what they get."""
     if not data:
         return None
     if len(data) > MAX_JSON_BYTES:
@@ -72,14 +77,30 @@ def json_field(data: bytes, what: str) -> Any:
             "large values in tensors or numpy arrays (they go to the shards), not in plain values"
         )
     try:
-        value = json.loads(data, parse_constant=_reject_constant)
-        # 1e999 parses to inf without a constant: the manifest could not be written.
-        json.dumps(value, allow_nan=False)
+        return _parse_json(bytes(data))
     except (ValueError, RecursionError) as e:
         raise InvalidRequest(
             f"{what} is not valid JSON (strict: no NaN or Infinity): {str(e)[:200]}"
         ) from None
+
+
+@functools.lru_cache(maxsize=16)  # a few saves of a few jobs in flight; errors not kept
+def _parse_json(data: bytes) -> Any:
+    value = json.loads(data, parse_constant=_reject_constant)
+    # 1e999 parses to inf without a constant: the manifest could not be written.
+    json.dumps(value, allow_nan=False)
     return value
+
+
+def state_fields(state: Any) -> tuple[bytes, bytes]:
+    """A rank's state tree as BeginSave sends it: (the tree with its per-rank nodes
+    emptied, equal on every rank; the rank's own per-rank entries, b"" for none)."""
+    shared, mine = values.split_per_rank(state)
+    compact = (",", ":")
+    return (
+        json.dumps(shared, separators=compact).encode(),
+        json.dumps(mine, separators=compact).encode() if mine else b"",
+    )
 
 
 def _reject_constant(name: str) -> Any:

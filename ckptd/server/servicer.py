@@ -166,6 +166,7 @@ def _begin_call(
             "part": request.part,
             "parts": max(1, request.parts),
             "state": cv.json_field(request.state, "state"),
+            "rank_state": cv.json_field(request.rank_state, "rank_state"),
             "metadata": cv.json_field(request.metadata, "metadata") or {},
             "allow_divergent": request.allow_divergent_replicas,
             "keep_last": request.keep_last,

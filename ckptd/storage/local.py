@@ -404,15 +404,23 @@ class LocalStorage(Storage):
         if path == "":
             return self.root
         check_relative(path)
-        full = os.path.join(self.root, path)
-        parent = os.path.dirname(full)
-        real_parent = os.path.realpath(parent)
-        if real_parent != parent:
-            raise UnsafePath(
-                f"{path!r} under {self.root} passes through a symlink to {real_parent}; "
-                "ckptd does not follow symlinks out of the checkpoint directory"
-            )
-        return full
+        # The root was resolved once (local_dir); only it and the directories below it can
+        # be symlinks now: one lstat each, not realpath's walk of every component from "/"
+        # (a coordinator checks thousands of shards a save, each through here).
+        d = self.root
+        for part in ("", *path.split("/")[:-1]):
+            d = os.path.join(d, part) if part else d
+            try:
+                st = os.lstat(d)
+            except OSError:
+                break  # missing (or not a directory): the operation itself fails with that
+            if stat.S_ISLNK(st.st_mode):
+                raise UnsafePath(
+                    f"{path!r} under {self.root} passes through a symlink ({d} -> "
+                    f"{os.path.realpath(d)}); ckptd does not follow symlinks out of the "
+                    "checkpoint directory"
+                )
+        return os.path.join(self.root, path)
 
     def lstat_regular(self, path: str, full: str) -> os.stat_result:
         try:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63kptd/v1/coordinator.proto\x12\x08\x63kptd.v1\"O\n\x14NodeBeginSaveRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12)\n\x05ranks\x18\x02 \x03(\x0b\x32\x1a.ckptd.v1.BeginSaveRequest\"C\n\x15NodeBeginSaveResponse\x12*\n\x05ranks\x18\x01 \x03(\x0b\x32\x1b.ckptd.v1.BeginSaveResponse\"O\n\x14NodeKeepAliveRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12)\n\x05ranks\x18\x02 \x03(\x0b\x32\x1a.ckptd.v1.KeepAliveRequest\"N\n\x11NodeReportRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12+\n\x05ranks\x18\x02 \x03(\x0b\x32\x1c.ckptd.v1.ReportShardRequest\"9\n\x12NodeStatusResponse\x12#\n\x05ranks\x18\x01 \x03(\x0b\x32\x14.ckptd.v1.SaveStatus\".\n\x0eOpenJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\t\"2\n\x0fOpenJobResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0b\n\x03job\x18\x02 \x01(\t\"Z\n\x07SaveRef\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\"\x8c\x01\n\x05\x43hunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x15\n\rchunk_offsets\x18\x04 \x03(\x04\x12\x13\n\x0b\x63hunk_sizes\x18\x05 \x03(\x04\x12\x0e\n\x06length\x18\x06 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x08 \x01(\x0cJ\x04\x08\x07\x10\x08R\x06\x62lake3\"\xa2\x02\n\x10\x42\x65ginSaveRequest\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.ckptd.v1.SaveRef\x12\x1f\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x0f.ckptd.v1.Chunk\x12\x0c\n\x04part\x18\x03 \x01(\r\x12\r\n\x05parts\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\x0c\x12\x10\n\x08metadata\x18\x06 \x01(\x0c\x12 \n\x18\x61llow_divergent_replicas\x18\x07 \x01(\x08\x12\x11\n\tkeep_last\x18\x08 \x01(\r\x12\x12\n\ntimeout_ms\x18\t \x01(\r\x12\x13\n\x06parent\x18\n \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rlayout_digest\x18\x0b \x01(\x0c\x12\x0f\n\x07\x64igests\x18\x0c \x01(\x0c\x42\t\n\x07_parent\"\x80\x01\n\x11\x42\x65ginSaveResponse\x12\x12\n\nshard_path\x18\x01 \x01(\t\x12\x12\n\nindex_path\x18\x02 \x01(\t\x12\r\n\x05write\x18\x03 \x03(\r\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x10\n\x08warnings\x18\x05 \x03(\t\x12\x10\n\x08\x63omplete\x18\x06 \x01(\x08\"2\n\x10KeepAliveRequest\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.ckptd.v1.SaveRef\"\xed\x01\n\x12ReportShardRequest\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.ckptd.v1.SaveRef\x12\x12\n\nshard_path\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x12\n\nindex_path\x18\x04 \x01(\t\x12\x12\n\nindex_size\x18\x05 \x01(\x04\x12\x14\n\x0cindex_blake3\x18\x06 \x01(\t\x12\x0e\n\x06verify\x18\x07 \x01(\t\x12\x11\n\tstaging_s\x18\x08 \x01(\x01\x12\x11\n\tpersist_s\x18\t \x01(\x01\x12\x0f\n\x07write_s\x18\n \x01(\x01\x12\x10\n\x08verify_s\x18\x0b \x01(\x01\"H\n\x12\x41waitCommitRequest\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.ckptd.v1.SaveRef\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\"B\n\x10\x41\x62ortSaveRequest\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.ckptd.v1.SaveRef\x12\x0e\n\x06reason\x18\x02 \x01(\t\"f\n\nSaveStatus\x12 \n\x06status\x18\x01 \x01(\x0e\x32\x10.ckptd.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0fmanifest_blake3\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"%\n\x16ListCheckpointsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xdb\x01\n\x0e\x43heckpointInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12 \n\x06status\x18\x05 \x01(\x0e\x32\x10.ckptd.v1.Status\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\x08 \x01(\x01\x12\x16\n\x0e\x63ommitted_unix\x18\t \x01(\x01\x12\x17\n\x0fmanifest_blake3\x18\n \x01(\t\"H\n\x17ListCheckpointsResponse\x12-\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x18.ckptd.v1.CheckpointInfo\"N\n\x14GetCheckpointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x04step\x18\x02 \x01(\x04H\x00\x12\x10\n\x06latest\x18\x03 \x01(\x08H\x00\x42\x07\n\x05which\">\n\x11QuarantineRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"i\n\x11RecordTierRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x0b\n\x03url\x18\x04 \x01(\t\x12\x0e\n\x06status\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\x14\n\x12RecordTierResponse*g\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x08\n\x04OPEN\x10\x01\x12\x0e\n\nCOMMITTING\x10\x02\x12\r\n\tCOMMITTED\x10\x03\x12\x0b\n\x07\x41\x42ORTED\x10\x04\x12\x0f\n\x0bQUARANTINED\x10\x05\x32\xb8\x07\n\x0b\x43oordinator\x12>\n\x07OpenJob\x12\x18.ckptd.v1.OpenJobRequest\x1a\x19.ckptd.v1.OpenJobResponse\x12\x44\n\tBeginSave\x12\x1a.ckptd.v1.BeginSaveRequest\x1a\x1b.ckptd.v1.BeginSaveResponse\x12=\n\tKeepAlive\x12\x1a.ckptd.v1.KeepAliveRequest\x1a\x14.ckptd.v1.SaveStatus\x12\x41\n\x0bReportShard\x12\x1c.ckptd.v1.ReportShardRequest\x1a\x14.ckptd.v1.SaveStatus\x12\x41\n\x0b\x41waitCommit\x12\x1c.ckptd.v1.AwaitCommitRequest\x1a\x14.ckptd.v1.SaveStatus\x12=\n\tAbortSave\x12\x1a.ckptd.v1.AbortSaveRequest\x1a\x14.ckptd.v1.SaveStatus\x12V\n\x0fListCheckpoints\x12 .ckptd.v1.ListCheckpointsRequest\x1a!.ckptd.v1.ListCheckpointsResponse\x12I\n\rGetCheckpoint\x12\x1e.ckptd.v1.GetCheckpointRequest\x1a\x18.ckptd.v1.CheckpointInfo\x12\x43\n\nQuarantine\x12\x1b.ckptd.v1.QuarantineRequest\x1a\x18.ckptd.v1.CheckpointInfo\x12G\n\nRecordTier\x12\x1b.ckptd.v1.RecordTierRequest\x1a\x1c.ckptd.v1.RecordTierResponse\x12P\n\rBeginSaveNode\x12\x1e.ckptd.v1.NodeBeginSaveRequest\x1a\x1f.ckptd.v1.NodeBeginSaveResponse\x12M\n\rKeepAliveNode\x12\x1e.ckptd.v1.NodeKeepAliveRequest\x1a\x1c.ckptd.v1.NodeStatusResponse\x12M\n\x10ReportShardsNode\x12\x1b.ckptd.v1.NodeReportRequest\x1a\x1c.ckptd.v1.NodeStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63kptd/v1/coordinator.proto\x12\x08\x63kptd.v1\"O\n\x14NodeBeginSaveRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12)\n\x05ranks\x18\x02 \x03(\x0b\x32\x1a.ckptd.v1.BeginSaveRequest\"C\n\x15NodeBeginSaveResponse\x12*\n\x05ranks\x18\x01 \x03(\x0b\x32\x1b.ckptd.v1.BeginSaveResponse\"O\n\x14NodeKeepAliveRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12)\n\x05ranks\x18\x02 \x03(\x0b\x32\x1a.ckptd.v1.KeepAliveRequest\"N\n\x11NodeReportRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12+\n\x05ranks\x18\x02 \x03(\x0b\x32\x1c.ckptd.v1.ReportShardRequest\"9\n\x12NodeStatusResponse\x12#\n\x05ranks\x18\x01 \x03(\x0b\x32\x14.ckptd.v1.SaveStatus\".\n\x0eOpenJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\t\"2\n\x0fOpenJobResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0b\n\x03job\x18\x02 \x01(\t\"Z\n\x07SaveRef\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\"\x8c\x01\n\x05\x43hunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x15\n\rchunk_offsets\x18\x04 \x03(\x04\x12\x13\n\x0b\x63hunk_sizes\x18\x05 \x03(\x04\x12\x0e\n\x06length\x18\x06 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x08 \x01(\x0cJ\x04\x08\x07\x10\x08R\x06\x62lake3\"\xb6\x02\n\x10\x42\x65ginSaveRequest\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.ckptd.v1.SaveRef\x12\x1f\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x0f.ckptd.v1.Chunk\x12\x0c\n\x04part\x18\x03 \x01(\r\x12\r\n\x05parts\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\x0c\x12\x10\n\x08metadata\x18\x06 \x01(\x0c\x12 \n\x18\x61llow_divergent_replicas\x18\x07 \x01(\x08\x12\x11\n\tkeep_last\x18\x08 \x01(\r\x12\x12\n\ntimeout_ms\x18\t \x01(\r\x12\x13\n\x06parent\x18\n \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rlayout_digest\x18\x0b \x01(\x0c\x12\x0f\n\x07\x64igests\x18\x0c \x01(\x0c\x12\x12\n\nrank_state\x18\r \x01(\x0c\x42\t\n\x07_parent\"\x80\x01\n\x11\x42\x65ginSaveResponse\x12\x12\n\nshard_path\x18\x01 \x01(\t\x12\x12\n\nindex_path\x18\x02 \x01(\t\x12\r\n\x05write\x18\x03 \x03(\r\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x10\n\x08warnings\x18\x05 \x03(\t\x12\x10\n\x08\x63omplete\x18\x06 \x01(\x08\"2\n\x10KeepAliveRequest\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.ckptd.v1.SaveRef\"\xed\x01\n\x12ReportShardRequest\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.ckptd.v1.SaveRef\x12\x12\n\nshard_path\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x12\n\nindex_path\x18\x04 \x01(\t\x12\x12\n\nindex_size\x18\x05 \x01(\x04\x12\x14\n\x0cindex_blake3\x18\x06 \x01(\t\x12\x0e\n\x06verify\x18\x07 \x01(\t\x12\x11\n\tstaging_s\x18\x08 \x01(\x01\x12\x11\n\tpersist_s\x18\t \x01(\x01\x12\x0f\n\x07write_s\x18\n \x01(\x01\x12\x10\n\x08verify_s\x18\x0b \x01(\x01\"H\n\x12\x41waitCommitRequest\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.ckptd.v1.SaveRef\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\"B\n\x10\x41\x62ortSaveRequest\x12\x1e\n\x03ref\x18\x01 \x01(\x0b\x32\x11.ckptd.v1.SaveRef\x12\x0e\n\x06reason\x18\x02 \x01(\t\"f\n\nSaveStatus\x12 \n\x06status\x18\x01 \x01(\x0e\x32\x10.ckptd.v1.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0fmanifest_blake3\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"%\n\x16ListCheckpointsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xdb\x01\n\x0e\x43heckpointInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12 \n\x06status\x18\x05 \x01(\x0e\x32\x10.ckptd.v1.Status\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\x08 \x01(\x01\x12\x16\n\x0e\x63ommitted_unix\x18\t \x01(\x01\x12\x17\n\x0fmanifest_blake3\x18\n \x01(\t\"H\n\x17ListCheckpointsResponse\x12-\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x18.ckptd.v1.CheckpointInfo\"N\n\x14GetCheckpointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x04step\x18\x02 \x01(\x04H\x00\x12\x10\n\x06latest\x18\x03 \x01(\x08H\x00\x42\x07\n\x05which\">\n\x11QuarantineRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"i\n\x11RecordTierRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x0b\n\x03url\x18\x04 \x01(\t\x12\x0e\n\x06status\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\x14\n\x12RecordTierResponse*g\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x08\n\x04OPEN\x10\x01\x12\x0e\n\nCOMMITTING\x10\x02\x12\r\n\tCOMMITTED\x10\x03\x12\x0b\n\x07\x41\x42ORTED\x10\x04\x12\x0f\n\x0bQUARANTINED\x10\x05\x32\xb8\x07\n\x0b\x43oordinator\x12>\n\x07OpenJob\x12\x18.ckptd.v1.OpenJobRequest\x1a\x19.ckptd.v1.OpenJobResponse\x12\x44\n\tBeginSave\x12\x1a.ckptd.v1.BeginSaveRequest\x1a\x1b.ckptd.v1.BeginSaveResponse\x12=\n\tKeepAlive\x12\x1a.ckptd.v1.KeepAliveRequest\x1a\x14.ckptd.v1.SaveStatus\x12\x41\n\x0bReportShard\x12\x1c.ckptd.v1.ReportShardRequest\x1a\x14.ckptd.v1.SaveStatus\x12\x41\n\x0b\x41waitCommit\x12\x1c.ckptd.v1.AwaitCommitRequest\x1a\x14.ckptd.v1.SaveStatus\x12=\n\tAbortSave\x12\x1a.ckptd.v1.AbortSaveRequest\x1a\x14.ckptd.v1.SaveStatus\x12V\n\x0fListCheckpoints\x12 .ckptd.v1.ListCheckpointsRequest\x1a!.ckptd.v1.ListCheckpointsResponse\x12I\n\rGetCheckpoint\x12\x1e.ckptd.v1.GetCheckpointRequest\x1a\x18.ckptd.v1.CheckpointInfo\x12\x43\n\nQuarantine\x12\x1b.ckptd.v1.QuarantineRequest\x1a\x18.ckptd.v1.CheckpointInfo\x12G\n\nRecordTier\x12\x1b.ckptd.v1.RecordTierRequest\x1a\x1c.ckptd.v1.RecordTierResponse\x12P\n\rBeginSaveNode\x12\x1e.ckptd.v1.NodeBeginSaveRequest\x1a\x1f.ckptd.v1.NodeBeginSaveResponse\x12M\n\rKeepAliveNode\x12\x1e.ckptd.v1.NodeKeepAliveRequest\x1a\x1c.ckptd.v1.NodeStatusResponse\x12M\n\x10ReportShardsNode\x12\x1b.ckptd.v1.NodeReportRequest\x1a\x1c.ckptd.v1.NodeStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ckptd.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATUS']._serialized_start=2315
-  _globals['_STATUS']._serialized_end=2418
+  _globals['_STATUS']._serialized_start=2335
+  _globals['_STATUS']._serialized_end=2438
   _globals['_NODEBEGINSAVEREQUEST']._serialized_start=40
   _globals['_NODEBEGINSAVEREQUEST']._serialized_end=119
   _globals['_NODEBEGINSAVERESPONSE']._serialized_start=121
@@ -52,33 +52,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK']._serialized_start=603
   _globals['_CHUNK']._serialized_end=743
   _globals['_BEGINSAVEREQUEST']._serialized_start=746
-  _globals['_BEGINSAVEREQUEST']._serialized_end=1036
-  _globals['_BEGINSAVERESPONSE']._serialized_start=1039
-  _globals['_BEGINSAVERESPONSE']._serialized_end=1167
-  _globals['_KEEPALIVEREQUEST']._serialized_start=1169
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1219
-  _globals['_REPORTSHARDREQUEST']._serialized_start=1222
-  _globals['_REPORTSHARDREQUEST']._serialized_end=1459
-  _globals['_AWAITCOMMITREQUEST']._serialized_start=1461
-  _globals['_AWAITCOMMITREQUEST']._serialized_end=1533
-  _globals['_ABORTSAVEREQUEST']._serialized_start=1535
-  _globals['_ABORTSAVEREQUEST']._serialized_end=1601
-  _globals['_SAVESTATUS']._serialized_start=1603
-  _globals['_SAVESTATUS']._serialized_end=1705
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1707
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1744
-  _globals['_CHECKPOINTINFO']._serialized_start=1747
-  _globals['_CHECKPOINTINFO']._serialized_end=1966
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1968
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=2040
-  _globals['_GETCHECKPOINTREQUEST']._serialized_start=2042
-  _globals['_GETCHECKPOINTREQUEST']._serialized_end=2120
-  _globals['_QUARANTINEREQUEST']._serialized_start=2122
-  _globals['_QUARANTINEREQUEST']._serialized_end=2184
-  _globals['_RECORDTIERREQUEST']._serialized_start=2186
-  _globals['_RECORDTIERREQUEST']._serialized_end=2291
-  _globals['_RECORDTIERRESPONSE']._serialized_start=2293
-  _globals['_RECORDTIERRESPONSE']._serialized_end=2313
-  _globals['_COORDINATOR']._serialized_start=2421
-  _globals['_COORDINATOR']._serialized_end=3373
+  _globals['_BEGINSAVEREQUEST']._serialized_end=1056
+  _globals['_BEGINSAVERESPONSE']._serialized_start=1059
+  _globals['_BEGINSAVERESPONSE']._serialized_end=1187
+  _globals['_KEEPALIVEREQUEST']._serialized_start=1189
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1239
+  _globals['_REPORTSHARDREQUEST']._serialized_start=1242
+  _globals['_REPORTSHARDREQUEST']._serialized_end=1479
+  _globals['_AWAITCOMMITREQUEST']._serialized_start=1481
+  _globals['_AWAITCOMMITREQUEST']._serialized_end=1553
+  _globals['_ABORTSAVEREQUEST']._serialized_start=1555
+  _globals['_ABORTSAVEREQUEST']._serialized_end=1621
+  _globals['_SAVESTATUS']._serialized_start=1623
+  _globals['_SAVESTATUS']._serialized_end=1725
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1727
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1764
+  _globals['_CHECKPOINTINFO']._serialized_start=1767
+  _globals['_CHECKPOINTINFO']._serialized_end=1986
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1988
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=2060
+  _globals['_GETCHECKPOINTREQUEST']._serialized_start=2062
+  _globals['_GETCHECKPOINTREQUEST']._serialized_end=2140
+  _globals['_QUARANTINEREQUEST']._serialized_start=2142
+  _globals['_QUARANTINEREQUEST']._serialized_end=2204
+  _globals['_RECORDTIERREQUEST']._serialized_start=2206
+  _globals['_RECORDTIERREQUEST']._serialized_end=2311
+  _globals['_RECORDTIERRESPONSE']._serialized_start=2313
+  _globals['_RECORDTIERRESPONSE']._serialized_end=2333
+  _globals['_COORDINATOR']._serialized_start=2441
+  _globals['_COORDINATOR']._serialized_end=3393
 # @@protoc_insertion_point(module_scope)

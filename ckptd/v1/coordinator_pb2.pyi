@@ -107,7 +107,7 @@ class Chunk(_message.Message):
     def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunk_offsets: _Optional[_Iterable[int]] = ..., chunk_sizes: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("ref", "chunks", "part", "parts", "state", "metadata", "allow_divergent_replicas", "keep_last", "timeout_ms", "parent", "layout_digest", "digests")
+    __slots__ = ("ref", "chunks", "part", "parts", "state", "metadata", "allow_divergent_replicas", "keep_last", "timeout_ms", "parent", "layout_digest", "digests", "rank_state")
     REF_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class BeginSaveRequest(_message.Message):
     PARENT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    RANK_STATE_FIELD_NUMBER: _ClassVar[int]
     ref: SaveRef
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
     part: int
@@ -132,7 +133,8 @@ class BeginSaveRequest(_message.Message):
     parent: int
     layout_digest: bytes
     digests: bytes
-    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., state: _Optional[bytes] = ..., metadata: _Optional[bytes] = ..., allow_divergent_replicas: _Optional[bool] = ..., keep_last: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., parent: _Optional[int] = ..., layout_digest: _Optional[bytes] = ..., digests: _Optional[bytes] = ...) -> None: ...
+    rank_state: bytes
+    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., state: _Optional[bytes] = ..., metadata: _Optional[bytes] = ..., allow_divergent_replicas: _Optional[bool] = ..., keep_last: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., parent: _Optional[int] = ..., layout_digest: _Optional[bytes] = ..., digests: _Optional[bytes] = ..., rank_state: _Optional[bytes] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
     __slots__ = ("shard_path", "index_path", "write", "lease_ms", "warnings", "complete")
