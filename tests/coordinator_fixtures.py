@@ -107,12 +107,19 @@ def read_catalog(path: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
 
 
 def catalog_reports(path: str | os.PathLike[str], step: int) -> int:
-    """How many shard reports of `step` the catalog holds durably."""
+    """How many shard reports of `step` the catalog holds durably (ranks, over its rows)."""
+    return sum(catalog_report_rows(path, step))
+
+
+def catalog_report_rows(path: str | os.PathLike[str], step: int) -> list[int]:
+    """The catalog's report rows of `step`: how many ranks each holds."""
     db = sqlite3.connect(f"file:{os.fspath(path)}?mode=ro", uri=True)
     try:
-        return int(db.execute("SELECT COUNT(*) FROM reports WHERE step=?", (step,)).fetchone()[0])
+        old = db.execute("SELECT COUNT(*) FROM reports WHERE step=?", (step,)).fetchone()[0]
+        rows = db.execute("SELECT reports FROM batch_reports WHERE step=?", (step,)).fetchall()
     finally:
         db.close()
+    return [1] * int(old) + [len(json.loads(r)) for (r,) in rows]
 
 
 def step_files(job: str | os.PathLike[str], step: int) -> list[str]:

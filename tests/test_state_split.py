@@ -201,3 +201,22 @@ def test_rank_state_that_is_not_json_is_refused(server, tally) -> None:
         pytest.raises(InvalidRequest, match="rank_state is not valid JSON"),
     ):
         client.begin_save_pb(req)
+
+
+@pytest.mark.parametrize("number", [b"1e999", b"-1e999", b"NaN", b"Infinity"])
+def test_a_state_with_a_non_finite_number_is_refused(server, tally, number) -> None:
+    """1e999 parses to inf without any constant: the manifest could never be written."""
+    s, client, job = server
+    req = pb.BeginSaveRequest(
+        ref=cv.ref_to_pb(SaveRef(job, 1, 0, 0, 1)),
+        chunks=[cv.chunk_to_pb(chunk(0))],
+        part=0,
+        parts=1,
+        state=b'{"list": [1, ' + number + b"]}",
+        timeout_ms=20_000,
+    )
+    with (
+        tally.bad_input(f"BeginSave state: {number.decode()}"),
+        pytest.raises(InvalidRequest, match="state is not valid JSON .*no NaN or Infinity"),
+    ):
+        client.begin_save_pb(req)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -265,11 +266,28 @@ def _rebuild_locked(args: argparse.Namespace, path: str) -> int:
     return 0
 
 
+# The collector's first generation runs every GC_YOUNG allocations (CPython: 700). A save
+# of thousands of ranks allocates millions of short-lived objects (messages, plans,
+# answers), and each young collection that promotes survivors brings the next full one
+# nearer, which walks everything the coordinator holds (catalog, cached layouts: a million
+# objects at 16,384 ranks). Profiled at 4,096 ranks, collection was 16% of the
+# coordinator's CPU with the default; the service is a process of its own, so it sets it.
+GC_YOUNG = 50_000
+
+
+def service_gc() -> None:
+    """Garbage collection for a long-lived coordinator process (not for a training
+    process: the embedded coordinator leaves its host's settings alone)."""
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG, older, oldest)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
+            service_gc()
             return asyncio.run(serve(args))
         return rebuild(args)
     except CkptError as e:

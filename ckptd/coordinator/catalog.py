@@ -115,7 +115,21 @@ CREATE TABLE IF NOT EXISTS retiring (
 """
 # Schema 4: each save's parent, the step its state descends from (NULL: not recorded), so
 # retention follows the job's live line (docs/concepts.md, Rollbacks and the live line).
-SCHEMA_VERSION = 4
+# Schema 5: shard reports one row a batch (a node's, or one rank's), keyed by the batch's
+# first rank, its reports a JSON list of [rank, report]: rows grow with nodes, not ranks.
+# Rows of the per-rank `reports` table (schema 1-4, a save in flight across an upgrade)
+# are still read; nothing writes them now.
+BATCH_REPORTS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS batch_reports (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    generation INTEGER NOT NULL,
+    first_rank INTEGER NOT NULL,
+    reports TEXT NOT NULL,
+    PRIMARY KEY (job, step, generation, first_rank)
+);
+"""
+SCHEMA_VERSION = 5
 
 
 def migrate(db: sqlite3.Connection) -> None:
@@ -129,6 +143,8 @@ def migrate(db: sqlite3.Connection) -> None:
         columns = {row[1] for row in db.execute("PRAGMA table_info(saves)")}
         if "parent" not in columns:
             db.execute("ALTER TABLE saves ADD COLUMN parent INTEGER")
+    if version < 5:
+        db.executescript(BATCH_REPORTS_SCHEMA)
     if version < SCHEMA_VERSION:
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
@@ -341,12 +357,17 @@ class Catalog:
 
     async def record_reports(self, rows: Sequence[tuple[str, int, int, int, ShardReport]]) -> None:
         """Checked shard reports (job, step, generation, rank, report), durable before
-        their ranks are told they were accepted: a node's reports in one transaction."""
-        if rows:
+        their ranks are told they were accepted: a node's reports in one transaction and
+        one row per save among them (a rank's report, if re-sent, is equal: see
+        Reports._admit_report, so overlapping rows of a retried batch agree)."""
+        batches: dict[tuple[str, int, int], list[tuple[int, ShardReport]]] = {}
+        for job, step, gen, rank, rep in rows:
+            batches.setdefault((job, step, gen), []).append((rank, rep))
+        if batches:
             await self._write(
                 *(
-                    (_RECORD_REPORT, (job, step, gen, rank, _report_json(rep)))
-                    for job, step, gen, rank, rep in rows
+                    (_RECORD_BATCH, (*save, min(r for r, _ in got), _reports_json(got)))
+                    for save, got in batches.items()
                 )
             )
 
@@ -374,7 +395,7 @@ class Catalog:
                 "bytes=?, draft=NULL WHERE job=? AND step=? AND generation=?",
                 (COMMITTED, reason, now(), manifest_blake3, nbytes, job, step, generation),
             ),
-            _forget_reports(job, step, generation),
+            *_forget_reports(job, step, generation),
         )
 
     async def mark_aborted(self, job: str, step: int, generation: int, reason: str) -> None:
@@ -384,7 +405,7 @@ class Catalog:
                 "WHERE job=? AND step=? AND generation=?",
                 (ABORTED, reason[:4000], job, step, generation),
             ),
-            _forget_reports(job, step, generation),
+            *_forget_reports(job, step, generation),
         )
 
     async def mark_quarantined(self, job: str, step: int, reason: str) -> None:
@@ -511,11 +532,18 @@ class Catalog:
         return [TierRecord(*r) for r in rows]
 
     def reports(self, job: str, step: int, generation: int) -> dict[int, ShardReport]:
-        rows = self.db.execute(
-            "SELECT rank, report FROM reports WHERE job=? AND step=? AND generation=?",
-            (job, step, generation),
-        ).fetchall()
-        return {int(r): ShardReport(**json.loads(rep)) for r, rep in rows}
+        save = (job, step, generation)
+        out = {
+            int(r): ShardReport(**json.loads(rep))
+            for r, rep in self.db.execute(
+                "SELECT rank, report FROM reports WHERE job=? AND step=? AND generation=?", save
+            )
+        }
+        for (batch,) in self.db.execute(
+            "SELECT reports FROM batch_reports WHERE job=? AND step=? AND generation=?", save
+        ):
+            out.update((int(r), ShardReport(**rep)) for r, rep in json.loads(batch))
+        return out
 
 
 def now() -> float:
@@ -523,16 +551,21 @@ def now() -> float:
 
 
 _SET_GENERATION = "INSERT OR REPLACE INTO jobs (job, generation) VALUES (?, ?)"
-_RECORD_REPORT = (
-    "INSERT OR REPLACE INTO reports (job, step, generation, rank, report) VALUES (?, ?, ?, ?, ?)"
+_RECORD_BATCH = (
+    "INSERT OR REPLACE INTO batch_reports (job, step, generation, first_rank, reports) "
+    "VALUES (?, ?, ?, ?, ?)"
 )
 _REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(ShardReport))
 
 
-def _report_json(rep: ShardReport) -> str:
-    """A report's row (what `reports` reads back); flat, so no dataclasses.asdict walk."""
-    return json.dumps({f: getattr(rep, f) for f in _REPORT_FIELDS})
+def _reports_json(reports: Sequence[tuple[int, ShardReport]]) -> str:
+    """A batch's row (what `reports` reads back); flat, so no dataclasses.asdict walk."""
+    return json.dumps([[r, {f: getattr(rep, f) for f in _REPORT_FIELDS}] for r, rep in reports])
 
 
-def _forget_reports(job: str, step: int, generation: int) -> tuple[str, tuple[Any, ...]]:
-    return ("DELETE FROM reports WHERE job=? AND step=? AND generation=?", (job, step, generation))
+def _forget_reports(job: str, step: int, generation: int) -> list[tuple[str, tuple[Any, ...]]]:
+    save = (job, step, generation)
+    return [
+        ("DELETE FROM reports WHERE job=? AND step=? AND generation=?", save),
+        ("DELETE FROM batch_reports WHERE job=? AND step=? AND generation=?", save),
+    ]

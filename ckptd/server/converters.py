@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from typing import Any
 
 from ckptd.coordinator import types
@@ -86,10 +87,15 @@ def json_field(data: bytes, what: str) -> Any:
 
 @functools.lru_cache(maxsize=16)  # a few saves of a few jobs in flight; errors not kept
 def _parse_json(data: bytes) -> Any:
-    value = json.loads(data, parse_constant=_reject_constant)
     # 1e999 parses to inf without a constant: the manifest could not be written.
-    json.dumps(value, allow_nan=False)
-    return value
+    return json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"non-finite number {text[:40]}")
+    return v
 
 
 def state_fields(state: Any) -> tuple[bytes, bytes]:
