@@ -39,8 +39,18 @@ for the slowest rank, AwaitCommit the commit or, in kill rounds, the lease expir
 over the rounds' wall time, and the coordinator's VmRSS after every round. RSS must stay
 flat: after --warmup-rounds, growth <= max(--rss-slack-mib, 10%).
 
+--ranks-per-node K (default 1: each rank calls the coordinator) groups the ranks into nodes
+of K, each behind the real node aggregator (ckptd.server.node.NodeBatcher, as in
+coordinator_scale.py): a rank's BeginSave, KeepAlive, ReportShard and AwaitCommit go to its
+node's batcher, which makes one BeginSaveNode / KeepAliveNode / ReportShardsNode call per
+node and phase; the RPC table then lists those node calls. A killed rank is noticed by its
+aggregator (silent for 2/3 of the lease: it aborts the save naming the rank and node);
+every second kill round instead kills a whole node after BeginSave, aggregator included
+(its keep-alives stop), which only the coordinator's lease expiry can end. The zombie's late
+report still goes to the coordinator directly (fencing is per rank).
+
     .venv/bin/python bench/load_soak.py [--ranks 4096] [--seconds 120] [--lease 20]
-        [--kill-every 3] [--kills 3] [--channels 8] [--keep-last 2]
+        [--kill-every 3] [--kills 3] [--channels 8] [--keep-last 2] [--ranks-per-node 8]
 """
 
 from __future__ import annotations
@@ -68,11 +78,14 @@ from ckptd.errors import CkptError
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
 from ckptd.server import converters as cv
+from ckptd.server.errors import error_from
+from ckptd.server.node import NodeBatcher
 from ckptd.storage import open_storage
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
 
 MOMENTS = ("after_begin", "mid_write", "after_write")  # where a killed rank stops
+NODE_DEAD = "node"  # every rank of a node and its aggregator die after BeginSave
 CALL_TIMEOUT_S = 600.0
 STATUS = {pb.COMMITTED: "COMMITTED", pb.ABORTED: "ABORTED"}
 
@@ -131,6 +144,38 @@ class Soak:
         self.problems: dict[str, list[str]] = defaultdict(list)  # kind -> what went wrong
         self.zombies: Counter[str] = Counter()
         self.cut_writes: Counter[str] = Counter()  # writes that failed under an abort
+        self.rank_latency: dict[str, list[float]] = defaultdict(list)  # ranks -> aggregator
+        self.kill_round = False
+        k = max(1, args.ranks_per_node)
+        self.batchers: list[NodeBatcher] = []
+        if k > 1:
+            self.batchers = [
+                NodeBatcher(
+                    SoakUpstream(self, self.stubs[n % len(self.stubs)]),
+                    f"node{n}",
+                    range(n * k, min(self.n, (n + 1) * k)),
+                )
+                for n in range(-(-self.n // k))
+            ]
+
+    def batcher(self, rank: int) -> NodeBatcher:
+        return self.batchers[rank // self.args.ranks_per_node]
+
+    async def call(self, kind: str, rank: int, req: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """A rank's call: to the coordinator, or to its node's aggregator (then its node
+        calls are the RPCs counted; the rank's wait is kept apart)."""
+        if not self.batchers:
+            return await self.rpc(kind, getattr(self.stub(rank), kind), req, timeout)
+        fn = {
+            "BeginSave": "begin_save",
+            "KeepAlive": "keep_alive",
+            "ReportShard": "report_shard",
+            "AwaitCommit": "await_commit",
+        }[kind]
+        t0 = time.perf_counter()
+        resp = await asyncio.wait_for(getattr(self.batcher(rank), fn)(req), timeout)
+        self.rank_latency[kind].append(time.perf_counter() - t0)
+        return resp
 
     def stub(self, rank: int) -> pb_grpc.CoordinatorStub:
         return self.stubs[rank % len(self.stubs)]
@@ -170,12 +215,11 @@ class Soak:
     # -- one rank, one save --------------------------------------------------------------
     async def pinger(self, ref: pb.SaveRef) -> None:
         """The client's keep-alive thread: every lease/3 until the save has ended."""
-        stub = self.stub(ref.rank)
         while True:
             await asyncio.sleep(self.args.lease / 3)
             try:
-                st = await self.rpc("KeepAlive", stub.KeepAlive, pb.KeepAliveRequest(ref=ref))
-            except grpc.aio.AioRpcError:
+                st = await self.call("KeepAlive", ref.rank, pb.KeepAliveRequest(ref=ref))
+            except (grpc.aio.AioRpcError, CkptError):
                 continue  # counted; the client also keeps trying
             if st.status in (pb.COMMITTED, pb.ABORTED):
                 return
@@ -184,14 +228,16 @@ class Soak:
         """One rank's save: (final status it was told, reason); ("DEAD", moment) if killed."""
         r, step = plan.rank, rnd.step
         ref = self.ref(step, r)
-        stub = self.stub(r)
         loop = asyncio.get_running_loop()
         req = plan.begin_request(ref)
         req.keep_last = self.args.keep_last  # retention runs after each commit: real work
-        begun = await self.rpc("BeginSave", stub.BeginSave, req)
+        begun = await self.call("BeginSave", r, req)
         if not begun.complete:
             raise cs.Failed(f"rank {r}: BeginSave answered an incomplete plan")
         moment = rnd.victims.get(r)
+        if moment == NODE_DEAD:
+            self.kill_aggregator(ref)
+            return "DEAD", moment
         if moment == "after_begin":
             return "DEAD", moment
         if moment == "mid_write":
@@ -210,7 +256,7 @@ class Soak:
                 # The lease of a dead rank expired while this one was still writing: the
                 # coordinator removed the save's files under it. Only right in a kill round,
                 # and only if the coordinator says the save is ABORTED.
-                st = await self.rpc("KeepAlive", stub.KeepAlive, pb.KeepAliveRequest(ref=ref))
+                st = await self.call("KeepAlive", r, pb.KeepAliveRequest(ref=ref))
                 self.cut_writes[STATUS.get(st.status, pb.Status.Name(st.status))] += 1
                 if not rnd.victims or st.status != pb.ABORTED:
                     self.problems["rank errors"].append(f"step {step} rank {r}: write: {e}")
@@ -219,17 +265,26 @@ class Soak:
             if moment == "after_write":
                 zombie.update(rank=r, step=step, generation=rnd.generation, request=report)
                 return "DEAD", moment
-            st = await self.rpc("ReportShard", stub.ReportShard, report)
+            st = await self.call("ReportShard", r, report)
             if st.status != pb.ABORTED:
                 self.reports.append(
                     Report(step, rnd.generation, r, info.path, info.size, info.index_blake3)
                 )
                 wait = pb.AwaitCommitRequest(ref=ref, timeout_ms=int(CALL_TIMEOUT_S * 1000))
-                kind = "AwaitCommit(kill round)" if rnd.victims else "AwaitCommit"
-                st = await self.rpc(kind, stub.AwaitCommit, wait, CALL_TIMEOUT_S + 30)
+                if self.batchers:
+                    st = await self.call("AwaitCommit", r, wait, CALL_TIMEOUT_S + 30)
+                else:
+                    kind = "AwaitCommit(kill round)" if rnd.victims else "AwaitCommit"
+                    st = await self.rpc(kind, self.stub(r).AwaitCommit, wait, CALL_TIMEOUT_S + 30)
             return STATUS.get(st.status, pb.Status.Name(st.status)), st.reason
         finally:
             pinger.cancel()
+
+    def kill_aggregator(self, ref: pb.SaveRef) -> None:
+        """The node's aggregator process dies: it makes no call for this save any more."""
+        save = self.batcher(ref.rank).saves.get((ref.job, ref.step, ref.generation))
+        if save is not None and save.pinger is not None:
+            save.pinger.cancel()
 
     def write(
         self, step: int, rank: int, generation: int, items: list[Any], digests: list[Any]
@@ -255,6 +310,7 @@ class Soak:
     # -- one round -------------------------------------------------------------------------
     async def round(self, step: int, victims: dict[int, str]) -> Round:
         rnd = Round(step, self.generation, victims)
+        self.kill_round = bool(victims)
         shared = cs.shared_items(step, self.args.chunk_bytes)
         plans = [cs.Rank(r, self.n, step, self.args.chunk_bytes, shared) for r in range(self.n)]
         zombie: dict[str, Any] = {}
@@ -267,9 +323,10 @@ class Soak:
         told: Counter[str] = Counter()
         for r, o in enumerate(outcomes):
             if isinstance(o, BaseException):
-                if not isinstance(o, grpc.aio.AioRpcError):
+                if not isinstance(o, (grpc.aio.AioRpcError, CkptError)):
                     raise o
-                self.problems["rank errors"].append(f"step {step} rank {r}: {o.details()}")
+                why = o.details() if isinstance(o, grpc.aio.AioRpcError) else str(o)
+                self.problems["rank errors"].append(f"step {step} rank {r}: {why}")
                 continue
             status, reason = o
             if status != "DEAD":
@@ -425,12 +482,54 @@ class Soak:
 
 
 def _lease_expired_ranks(reason: str) -> set[int] | None:
-    """The ranks a lease-expiry abort names, or None when the reason is something else.
-    The core lists at most 16 ranks and then "(+k more)"."""
-    m = re.match(r"rank\(s\) ([\d, ]+)(?: \(\+\d+ more\))? silent for over .*lease expired", reason)
+    """The ranks a lease-expiry abort names, or None when the reason is something else:
+    the coordinator's (it lists at most 16 ranks and then "(+k more)") or a node
+    aggregator's (ckptd.server.node: ranks that stopped renewing with it)."""
+    m = re.match(
+        r"(?:rank \d+ aborted: )?rank\(s\) ([\d, ]+)(?: \(\+\d+ more\))? "
+        r"(?:silent for over .*lease expired|"
+        r"of node .* stopped renewing their lease with the node's aggregator)",
+        reason,
+    )
     if not m:
         return None
     return {int(x) for x in m.group(1).split(",") if x.strip()}
+
+
+class SoakUpstream:
+    """A node aggregator's calls to the coordinator, timed and counted as the soak's RPCs;
+    a failed call becomes the CkptError the real client raises (ckptd.server.errors)."""
+
+    def __init__(self, soak: Soak, stub: pb_grpc.CoordinatorStub):
+        self.soak, self.stub = soak, stub
+
+    async def _rpc(self, kind: str, fn: Any, req: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
+        try:
+            return await self.soak.rpc(kind, fn, req, timeout)
+        except grpc.aio.AioRpcError as e:
+            raise error_from(e.code(), e.details() or "", e.trailing_metadata()) from None
+
+    async def begin_save(self, req: pb.BeginSaveRequest) -> pb.BeginSaveResponse:
+        return await self._rpc("BeginSave", self.stub.BeginSave, req)
+
+    async def begin_save_node(self, node: str, reqs: Any) -> Any:
+        req = pb.NodeBeginSaveRequest(node=node, ranks=reqs)
+        return (await self._rpc("BeginSaveNode", self.stub.BeginSaveNode, req)).ranks
+
+    async def keep_alive_node(self, node: str, reqs: Any) -> Any:
+        req = pb.NodeKeepAliveRequest(node=node, ranks=reqs)
+        return (await self._rpc("KeepAliveNode", self.stub.KeepAliveNode, req)).ranks
+
+    async def report_shards_node(self, node: str, reqs: Any) -> Any:
+        req = pb.NodeReportRequest(node=node, ranks=reqs)
+        return (await self._rpc("ReportShardsNode", self.stub.ReportShardsNode, req)).ranks
+
+    async def await_commit(self, req: pb.AwaitCommitRequest) -> pb.SaveStatus:
+        kind = "AwaitCommit(kill round)" if self.soak.kill_round else "AwaitCommit"
+        return await self._rpc(kind, self.stub.AwaitCommit, req, CALL_TIMEOUT_S + 30)
+
+    async def abort_save(self, req: pb.AbortSaveRequest) -> pb.SaveStatus:
+        return await self._rpc("AbortSave", self.stub.AbortSave, req)
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -441,7 +540,17 @@ def kill_plan(args: argparse.Namespace, index: int, rng_seed: int) -> dict[int, 
     k = min(args.kills, args.ranks - 1)
     rng = random.Random(rng_seed * 1_000_003 + index)
     ranks = rng.sample(range(args.ranks), k)
-    return {r: MOMENTS[i % len(MOMENTS)] for i, r in enumerate(sorted(ranks))}
+    victims = {r: MOMENTS[i % len(MOMENTS)] for i, r in enumerate(sorted(ranks))}
+    per_node = max(1, args.ranks_per_node)
+    nodes = -(-args.ranks // per_node)
+    if per_node > 1 and nodes > 1 and (index // args.kill_every) % 2 == 1:
+        # A whole node instead, aggregator included: only the coordinator's lease can end
+        # this save (no aggregator is left to notice), and there is no zombie.
+        node = rng.randrange(nodes)
+        return {
+            r: NODE_DEAD for r in range(node * per_node, min(args.ranks, (node + 1) * per_node))
+        }
+    return victims
 
 
 async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -502,7 +611,8 @@ def summarize(
         }
         for kind, v in sorted(soak.latency.items())
     }
-    hot = [v for k, v in soak.latency.items() if k in ("KeepAlive", "ReportShard")]
+    hot_kinds = ("KeepAlive", "ReportShard", "KeepAliveNode", "ReportShardsNode")
+    hot = [v for k, v in soak.latency.items() if k in hot_kinds]
     figures = {
         "ranks": args.ranks,
         "seconds": round(total_s, 1),
@@ -511,6 +621,7 @@ def summarize(
         "saves": sum(1 for r in rounds if r.outcome == "COMMITTED"),
         "aborted": sum(1 for r in rounds if r.outcome == "ABORTED"),
         "kill_rounds": sum(1 for r in rounds if r.victims),
+        "node_kill_rounds": sum(1 for r in rounds if NODE_DEAD in r.victims.values()),
         "killed_ranks": sum(len(r.victims) for r in rounds),
         "reports_ok": len(soak.reports),
         "rpcs": rpcs,
@@ -528,9 +639,25 @@ def summarize(
         "rss_mib_last": rss[-1] / C.MiB if rss else 0.0,
         "rss_flat": rss_flat,
     }
+    figures["ranks_per_node"] = max(1, args.ranks_per_node)
+    # The slowest RPC kind's p99, over every kind the coordinator answered except the ones
+    # that wait by design (BeginSave at the barrier, AwaitCommit for the commit or a lease).
+    waits = ("BeginSave", "BeginSaveNode", "AwaitCommit", "AwaitCommit(kill round)")
+    figures["p99_ms_worst_kind"] = max(
+        (v["p99_ms"] for k, v in lat.items() if k not in waits), default=0.0
+    )
+    rank_lat = {
+        kind: {
+            "n": len(v),
+            "p50_ms": cs._pct(sorted(v), 50) * 1e3,
+            "p99_ms": cs._pct(sorted(v), 99) * 1e3,
+        }
+        for kind, v in sorted(soak.rank_latency.items())
+    }
     return {
         "figures": figures,
         "latency": lat,
+        "rank_latency": rank_lat,
         "rounds": [dataclasses.asdict(r) for r in rounds],
         "zombies": dict(soak.zombies),
         "writes_cut_by_abort": dict(soak.cut_writes),
@@ -549,9 +676,14 @@ def print_report(res: dict[str, Any]) -> None:
         f"{f['aborted']} aborted ({f['killed_ranks']} ranks killed in {f['kill_rounds']} rounds); "
         f"{f['rpcs']} RPCs, {f['rpcs_per_s']:.0f} RPC/s"
     )
+    if f["ranks_per_node"] > 1:
+        print(f"{f['ranks_per_node']} ranks a node: the RPCs below are the node aggregators' calls")
     print(f"{'RPC':<24} {'n':>8} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9}")
     for kind, v in res["latency"].items():
         print(f"{kind:<24} {v['n']:>8} {v['p50_ms']:>9.1f} {v['p99_ms']:>9.1f} {v['max_ms']:>9.1f}")
+    for kind, v in res["rank_latency"].items():
+        name = f"rank -> node {kind}"
+        print(f"{name:<24} {v['n']:>8} {v['p50_ms']:>9.1f} {v['p99_ms']:>9.1f}")
     print(
         f"coordinator RSS MiB: idle {f['rss_mib_idle']:.0f}, first round {f['rss_mib_first']:.0f},"
         f" warm-up peak {f['rss_mib_warmup_peak']:.0f}, later peak"
@@ -581,6 +713,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kills", type=int, default=3, help="ranks killed in such a round")
     p.add_argument("--keep-last", type=int, default=2, help="retention: committed steps kept")
     p.add_argument("--channels", type=int, default=8)
+    p.add_argument(
+        "--ranks-per-node", type=int, default=1, help="ranks behind each node aggregator"
+    )
     p.add_argument("--chunk-bytes", type=int, default=64)
     p.add_argument("--io-threads", type=int, default=16)
     p.add_argument("--warmup-rounds", type=int, default=3, help="RSS baseline after these")
