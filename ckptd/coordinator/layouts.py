@@ -136,6 +136,10 @@ class LayoutCache:
             _, old = self._held.popitem(last=False)
             self.chunks -= sum(x.chunks for x in old.values())
 
+    def holds(self, job: str, rank: int, digest: bytes) -> bool:
+        held = self._held.get((job, rank))
+        return held is not None and digest in held
+
     def plan(
         self,
         job: str,

@@ -21,9 +21,10 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from ckptd.coordinator.layouts import LayoutCache
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport, StatusResult
-from ckptd.errors import CkptError, InvalidRequest
+from ckptd.errors import CkptError, InvalidRequest, LayoutUnknown
 from ckptd.faults import crash_point
 
 # Ranks in one node batch: a node holds 8 GPUs today, a few dozen processes at most.
@@ -85,9 +86,20 @@ class Nodes:
 
     # The core's per-rank BeginSave (its keyword arguments as the servicer passes them).
     begin_save: Callable[..., Awaitable[BeginResult]]
+    layouts: LayoutCache
 
     async def keep_alive(self, ref: SaveRef, node: str | None = None) -> StatusResult:
         raise NotImplementedError
+
+    def job_name(self, job: str) -> str:
+        raise NotImplementedError
+
+    def _layout_held(self, ref: SaveRef, chunks: Sequence[ChunkPlan], kw: dict[str, Any]) -> bool:
+        """A whole plan, or a cached one whose layout this coordinator holds for the rank."""
+        digest = kw.get("layout_digest", b"")
+        if chunks or not digest:
+            return True
+        return self.layouts.holds(self.job_name(ref.job), ref.rank, digest)
 
     async def report_shards(
         self, reports: Sequence[tuple[SaveRef, ShardReport]], node: str | None = None
@@ -97,8 +109,22 @@ class Nodes:
     async def begin_save_node(
         self, node: str, calls: Sequence[tuple[SaveRef, Sequence[ChunkPlan], dict[str, Any]]]
     ) -> list[BeginResult]:
-        """The last BeginSave part of each of a node's ranks; answers in the same order."""
+        """The last BeginSave part of each of a node's ranks; answers in the same order.
+
+        The batch's cached plans are resolved together first: a rank whose layout is not
+        held (evicted, or this coordinator restarted) makes the whole batch LayoutUnknown
+        before any of its ranks joins. Joined siblings would wait at the barrier, holding
+        the batch's answer and so the resend it needs, until the barrier timed out."""
         check_batch(node, [ref for ref, _, _ in calls], "BeginSave")
+        unknown = [ref.rank for ref, chunks, kw in calls if not self._layout_held(ref, chunks, kw)]
+        if unknown:
+            first = calls[0][0]
+            raise LayoutUnknown(
+                f"job {self.job_name(first.job)!r} "
+                f"step {first.step} node {node!r}: this coordinator does not hold the cached "
+                f"layout of rank(s) {', '.join(map(str, unknown[:16]))} (it restarted or "
+                "evicted them); the node's ranks send whole plans"
+            )
         answers = await _all(
             [self.begin_save(ref, chunks, node=node, **kw) for ref, chunks, kw in calls]
         )

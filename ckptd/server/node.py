@@ -329,6 +329,13 @@ class NodeBatcher:
         return st
 
 
+async def _cancel_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _fail_all(futs: Sequence[asyncio.Future[Any]], e: BaseException) -> None:
     if not isinstance(e, Exception):
         e = SaveAborted(f"the node's aggregator stopped: {type(e).__name__}")
@@ -443,6 +450,11 @@ class NodeAggregator:
                 stop.result(timeout=10)
             except (concurrent.futures.TimeoutError, RuntimeError) as e:
                 log.debug("node %s: aggregator stop: %s", self.node, e)
+        done = asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop)
+        try:  # the saves' keep-alive loops: ended here, not destroyed pending with the loop
+            done.result(timeout=10)
+        except (concurrent.futures.TimeoutError, RuntimeError) as e:
+            log.debug("node %s: aggregator tasks: %s", self.node, e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
