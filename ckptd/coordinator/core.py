@@ -101,6 +101,7 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
         self.scope = None if job is None else self.location.job_name(job)
         self.skipped: list[Skipped] = []  # what the start-up scan left out (recovery)
         self.skipped_count = 0
+        self.skipped_paths: set[str] = set()
         self.catalog = catalog
         self.lease_s = lease_s
         self.barrier_timeout_s = barrier_timeout_s

@@ -44,6 +44,7 @@ class Recovery:
     scope: str | None
     skipped: list[Skipped]
     skipped_count: int
+    skipped_paths: set[str]
     _generations: dict[str, int | None]
 
     def storage(self, job: str) -> Storage:
@@ -145,6 +146,7 @@ class Recovery:
         if self.location.is_url:
             return 0
         self.skipped.clear()
+        self.skipped_paths.clear()
         self.skipped_count = 0
         jobs = [self.scope] if self.scope is not None else _find_jobs(self.root, self._skip)
         n = 0
@@ -208,7 +210,11 @@ class Recovery:
         return len(found)
 
     def _skip(self, path: str, reason: str, advice: str) -> None:
-        """Report a job (or step, or directory) the scan could not read and left out."""
+        """Report a job (or step, or directory) the scan could not read and left out, once
+        (a step linked in a loop is met by the walk and again by the job's listing)."""
+        if path in self.skipped_paths:
+            return
+        self.skipped_paths.add(path)
         # The first ones in full; a hostile tree of 10,000 bad steps logs a summary, not
         # 10,000 lines (serve logs the count once the scan is done).
         level = logging.WARNING if self.skipped_count < MAX_SKIPPED_LISTED else logging.DEBUG

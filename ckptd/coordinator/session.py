@@ -23,6 +23,7 @@ from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout, values
 from ckptd.format.manifest import Manifest, load_json, parse_index
 from ckptd.storage import Storage
+from ckptd.storage.base import DirFiles
 
 log = logging.getLogger("ckptd.coordinator")
 
@@ -176,17 +177,19 @@ class Session:
         error = "" if kind is SaveAborted else kind.__name__
         return StatusResult(self.status, self.reason, self.manifest_blake3, error)
 
-    def check_report(self, st: Storage, rank: int, report: ShardReport) -> None:
+    def check_report(self, st: Storage, rank: int, report: ShardReport, files: Files) -> None:
         """The coordinator's own look at a reported shard (blocking: run in a thread): its
         size, its index's hash, and that the index holds exactly the assigned chunks with
-        the planned hashes."""
+        the planned hashes. `files`: the directories opened for a batch of reports."""
         sdir = layout.step_dir(self.step)
-        size = st.size(f"{sdir}/{report.shard_path}")
+        shard_dir, shard_name = files.where(st, f"{sdir}/{report.shard_path}")
+        size = shard_dir.size(shard_name)
         if size != report.size:
             raise CkptError(
                 f"{st.url}/{sdir}/{report.shard_path} is {size} bytes, the rank reported {report.size}"
             )
-        data = st.read_bytes(f"{sdir}/{report.index_path}", limit=report.index_size)
+        index_dir, index_name = files.where(st, f"{sdir}/{report.index_path}")
+        data = index_dir.read_bytes(index_name, limit=report.index_size)
         if len(data) != report.index_size or hashing.digest(data) != report.index_blake3:
             raise CkptError(
                 f"{st.url}/{sdir}/{report.index_path} does not match the reported size/blake3"
@@ -232,13 +235,38 @@ def check_reports(
     (blocking: run in a thread): a node's reports cost one thread hop, not one a rank. The
     error of each report that fails, else None."""
     out: list[CkptError | None] = []
-    for s, st, rank, report in checks:
-        try:
-            s.check_report(st, rank, report)
-            out.append(None)
-        except CkptError as e:
-            out.append(e)
+    with Files() as files:
+        for s, st, rank, report in checks:
+            try:
+                s.check_report(st, rank, report, files)
+                out.append(None)
+            except CkptError as e:
+                out.append(e)
     return out
+
+
+class Files:
+    """The directories a batch of report checks looks into, each opened once
+    (Storage.files_in); one that cannot be opened fails only the reports in it."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[int, str], DirFiles] = {}
+
+    def where(self, st: Storage, path: str) -> tuple[DirFiles, str]:
+        d, _, name = path.rpartition("/")
+        key = (id(st), d)
+        got = self._open.get(key)
+        if got is None:
+            got = self._open[key] = st.files_in(d)
+        return got, name
+
+    def __enter__(self) -> Files:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for d in self._open.values():
+            d.close()
+        self._open.clear()
 
 
 class SaveIdentity(Protocol):

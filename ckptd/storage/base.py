@@ -151,6 +151,12 @@ class Storage(abc.ABC):
     def rename(self, src: str, dst: str) -> None:
         """Rename within the root, durably (both directories fsynced)."""
 
+    def files_in(self, path: str) -> DirFiles:
+        """The files of one directory, for a caller that looks at many of them (the
+        coordinator checks a node's shards): close it when done. Local storage opens the
+        directory once and checks each name against it; elsewhere, plain calls."""
+        return DirFiles(self, path)
+
     # -- capabilities (see the module docstring) -----------------------------------------
     @property
     @abc.abstractmethod
@@ -160,3 +166,25 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def local_path(self, path: str) -> str | None:
         """The absolute local-filesystem name of `path` (confined), or None."""
+
+
+class DirFiles:
+    """size / read_bytes of files in one directory, by name (see Storage.files_in)."""
+
+    def __init__(self, storage: Storage, path: str):
+        self.storage, self.path = storage, path
+
+    def size(self, name: str) -> int:
+        return self.storage.size(f"{self.path}/{name}")
+
+    def read_bytes(self, name: str, *, limit: int) -> bytes:
+        return self.storage.read_bytes(f"{self.path}/{name}", limit=limit)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> DirFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
