@@ -278,6 +278,16 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
         return gen, name
 
     async def begin_save(
+        self, ref: SaveRef, chunks: Sequence[planning.ChunkPlan], **kw: Any
+    ) -> BeginResult:
+        """One rank's BeginSave (a part of its plan): join the save, then, once every rank
+        has joined and the plan is made, the rank's answer (see join_save)."""
+        s = await self.join_save(ref, chunks, **kw)
+        if s is None:
+            return BeginResult("", "", [], self.lease_s, [], complete=False)
+        return await self.planned_answer(s, ref)
+
+    async def join_save(
         self,
         ref: SaveRef,
         chunks: Sequence[planning.ChunkPlan],
@@ -294,9 +304,11 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
         layout_digest: bytes = b"",
         digests: bytes = b"",
         rank_state: list[Any] | None = None,
-    ) -> BeginResult:
-        """One rank's plan (a part of it); `node`: the aggregator that sent it (nodes.py).
-        `rank_state`: the rank's per-rank entries, sent apart from `state`
+    ) -> Session | None:
+        """One rank's plan (a part of it) joins the save: its session, or None while parts
+        of the plan are still to come. The last rank to join makes the plan; none waits
+        here for the others (planned_answer does). `node`: the aggregator that sent it
+        (nodes.py). `rank_state`: the rank's per-rank entries, sent apart from `state`
         (values.split_per_rank)."""
         job = self._check_ref(ref)
         if not (1 <= parts <= 100_000 and 0 <= part < parts):
@@ -387,18 +399,22 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
         if step_mismatch(s, self.sessions.values()):
             self._spawn(self._abort_step_mismatch(s))
         if not plan.complete:
-            return BeginResult("", "", [], self.lease_s, [], complete=False)
+            return None
         if (
             s.assignment is None
             and len(s.plans) == s.world_size
             and all(p.complete for p in s.plans.values())
         ):
             await self._plan(s)
+        return s
+
+    async def planned_answer(self, s: Session, ref: SaveRef) -> BeginResult:
+        """A joined rank's answer, once the save's plan is made (the barrier)."""
         try:
             await asyncio.shield(s.planned)
         except CkptError as e:
             raise type(e)(
-                f"job {job!r} step {ref.step} rank {ref.rank}: the save was aborted: {s.reason}"
+                f"job {s.job!r} step {ref.step} rank {ref.rank}: the save was aborted: {s.reason}"
             ) from None
         assert s.assignment is not None
         return BeginResult(

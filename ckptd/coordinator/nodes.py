@@ -2,7 +2,8 @@
 
 A node's aggregator (ckptd.server.node, on the node's local rank 0) sends its ranks'
 BeginSave, KeepAlive and ReportShard messages in one call per phase. Each embedded message
-is handled by the per-rank logic the rank would have called (`begin_save`, `keep_alive`;
+is handled by the per-rank logic the rank would have called (`join_save` and
+`planned_answer`, the halves of `begin_save`; `keep_alive`;
 `report_shards`, of which a rank's `report_shard` is the batch of one): the commit
 protocol, fencing (every message carries its rank's generation) and divergence detection
 stay in one place, the core; this module only checks
@@ -17,12 +18,12 @@ aborts the save, since two processes then claim to be that rank.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from ckptd.coordinator.layouts import LayoutCache
 from ckptd.coordinator.planning import ChunkPlan
+from ckptd.coordinator.session import Session
 from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport, StatusResult
 from ckptd.errors import CkptError, InvalidRequest, LayoutUnknown
 from ckptd.faults import crash_point
@@ -30,7 +31,6 @@ from ckptd.faults import crash_point
 # Ranks in one node batch: a node holds 8 GPUs today, a few dozen processes at most.
 MAX_NODE_RANKS = 256
 MAX_NODE_NAME = 256
-T = TypeVar("T")
 
 
 def check_batch(node: str, refs: Sequence[SaveRef], what: str) -> None:
@@ -71,22 +71,15 @@ def check_batch(node: str, refs: Sequence[SaveRef], what: str) -> None:
         seen.add(ref.rank)
 
 
-async def _all(calls: Sequence[Awaitable[T]]) -> list[T]:
-    """Every call's answer in order; the first failure once all are done (the calls of a
-    node's ranks run to their end: a rank's barrier wait is not cut short by a sibling)."""
-    out = await asyncio.gather(*calls, return_exceptions=True)
-    for x in out:
-        if isinstance(x, BaseException):
-            raise x
-    return out  # type: ignore[return-value]
-
-
 class Nodes:
     """The node-batch RPCs of the Coordinator: each calls the per-rank methods below."""
 
-    # The core's per-rank BeginSave (its keyword arguments as the servicer passes them).
-    begin_save: Callable[..., Awaitable[BeginResult]]
+    # The core's per-rank BeginSave, in its two halves (keyword arguments as the servicer
+    # passes them): join the save, then the answer once the plan is made.
+    join_save: Callable[..., Awaitable[Session | None]]
+    planned_answer: Callable[[Session, SaveRef], Awaitable[BeginResult]]
     layouts: LayoutCache
+    lease_s: float
 
     async def keep_alive(self, ref: SaveRef, node: str | None = None) -> StatusResult:
         raise NotImplementedError
@@ -125,16 +118,38 @@ class Nodes:
                 f"layout of rank(s) {', '.join(map(str, unknown[:16]))} (it restarted or "
                 "evicted them); the node's ranks send whole plans"
             )
-        answers = await _all(
-            [self.begin_save(ref, chunks, node=node, **kw) for ref, chunks, kw in calls]
-        )
+        # Each rank joins in turn (no task a rank: joining never waits for the others),
+        # then the batch waits once at the barrier. Every rank joins even after a sibling
+        # failed, as each would on its own; the first failure is the batch's answer.
+        joined: list[tuple[SaveRef, Session | None]] = []
+        failed: CkptError | None = None
+        for ref, chunks, kw in calls:
+            try:
+                joined.append((ref, await self.join_save(ref, chunks, node=node, **kw)))
+            except CkptError as e:
+                failed = failed or e
+        answers: list[BeginResult] = []
+        for ref, s in joined:
+            try:
+                answers.append(
+                    await self.planned_answer(s, ref)
+                    if s is not None
+                    else BeginResult("", "", [], self.lease_s, [], complete=False)
+                )
+            except CkptError as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
         crash_point("coordinator.node_batch_unanswered")  # planned; the node not yet told
         return answers
 
     async def keep_alive_node(self, node: str, refs: Sequence[SaveRef]) -> list[StatusResult]:
         """The node's live ranks renew their leases (one lease a node: one call)."""
         check_batch(node, refs, "KeepAlive")
-        return await _all([self.keep_alive(ref, node=node) for ref in refs])
+        answers = []
+        for ref in refs:  # in turn: a keep-alive never waits, so no task a rank
+            answers.append(await self.keep_alive(ref, node=node))
+        return answers
 
     async def report_shards_node(
         self, node: str, reports: Sequence[tuple[SaveRef, ShardReport]]
