@@ -31,7 +31,7 @@ from ckptd import iopool, knobs
 from ckptd.errors import CorruptCheckpoint, HashMismatch, StorageError
 from ckptd.format import hashing
 from ckptd.format.manifest import IndexEntry
-from ckptd.storage.base import Storage
+from ckptd.storage.base import ReadHandle, Storage
 
 # sink(entry position in the list, byte offset inside the entry, verified bytes)
 Sink = Callable[[int, int, np.ndarray], None]
@@ -136,42 +136,15 @@ def read_entries(
     handle = storage.open_read(path, cold=cold)
 
     def mismatch(ent: IndexEntry, b: int, start: int, length: int, got: str) -> HashMismatch:
-        return HashMismatch(
-            f"{storage.url}/{path}: key {ent.key!r} block {b} "
-            f"(file bytes {ent.offset + start}..{ent.offset + start + length}) "
-            f"has blake3 {got[:16]}..., the index says {ent.blake3[b][:16]}...; "
-            "the shard is corrupt: restore an earlier step or a replica"
-        )
+        return _mismatch(storage, path, ent, b, start, length, got)
 
     def failed(ent: IndexEntry, offset: int, length: int, e: StorageError) -> CorruptCheckpoint:
-        return CorruptCheckpoint(
-            f"{storage.url}/{path}: reading bytes {offset}..{offset + length} "
-            f"(key {ent.key!r}) failed: {e}"
-        )
+        return _failed(storage, path, ent, offset, length, e)
 
     def read_window(w: ReadWindow) -> list[CorruptCheckpoint]:
-        bad: list[CorruptCheckpoint] = []
-        try:
-            data = handle.read(w.offset, w.length)
-        except StorageError as e:
-            err = failed(plain[w.parts[0].entry], w.offset, w.length, e)
-            if not collect:
-                raise err from e
-            return [err]
-        for p in w.parts:
-            view = data[p.at : p.at + p.length]
-            ent = plain[p.entry]
-            got = hashing.digest(view)
-            if got != ent.blake3[p.block]:
-                err = mismatch(ent, p.block, p.start, p.length, got)
-                if not collect:
-                    raise err
-                bad.append(err)
-            elif sink is not None:
-                sink(p.entry, p.start, view)
-        if progress is not None:
-            progress(w.length)
-        return bad
+        return check_window(
+            storage, path, handle, w, plain, collect=collect, sink=sink, progress=progress
+        )
 
     def read_direct(i: int, start: int, out: np.ndarray) -> list[CorruptCheckpoint]:
         ent = plain[i]
@@ -229,6 +202,64 @@ def read_entries(
     finally:
         handle.close()
     return problems
+
+
+def _mismatch(
+    storage: Storage, path: str, ent: IndexEntry, b: int, start: int, length: int, got: str
+) -> HashMismatch:
+    return HashMismatch(
+        f"{storage.url}/{path}: key {ent.key!r} block {b} "
+        f"(file bytes {ent.offset + start}..{ent.offset + start + length}) "
+        f"has blake3 {got[:16]}..., the index says {ent.blake3[b][:16]}...; "
+        "the shard is corrupt: restore an earlier step or a replica"
+    )
+
+
+def _failed(
+    storage: Storage, path: str, ent: IndexEntry, offset: int, length: int, e: StorageError
+) -> CorruptCheckpoint:
+    return CorruptCheckpoint(
+        f"{storage.url}/{path}: reading bytes {offset}..{offset + length} "
+        f"(key {ent.key!r}) failed: {e}"
+    )
+
+
+def check_window(
+    storage: Storage,
+    path: str,
+    handle: ReadHandle,
+    w: ReadWindow,
+    entries: Sequence[IndexEntry],
+    *,
+    collect: bool = False,
+    sink: Sink | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[CorruptCheckpoint]:
+    """Read one planned window through `handle` and check each of its blocks against
+    entries[part.entry].blake3; verified blocks go to the sink. The problems (collect),
+    else the first one raised."""
+    bad: list[CorruptCheckpoint] = []
+    try:
+        data = handle.read(w.offset, w.length)
+    except StorageError as e:
+        err = _failed(storage, path, entries[w.parts[0].entry], w.offset, w.length, e)
+        if not collect:
+            raise err from e
+        return [err]
+    for p in w.parts:
+        view = data[p.at : p.at + p.length]
+        ent = entries[p.entry]
+        got = hashing.digest(view)
+        if got != ent.blake3[p.block]:
+            err = _mismatch(storage, path, ent, p.block, p.start, p.length, got)
+            if not collect:
+                raise err
+            bad.append(err)
+        elif sink is not None:
+            sink(p.entry, p.start, view)
+    if progress is not None:
+        progress(w.length)
+    return bad
 
 
 def verify_entries(
