@@ -47,6 +47,7 @@ WRITE_SWEEP = [(2, 8 * C.MiB), (4, 8 * C.MiB), (2, 32 * C.MiB), (4, 32 * C.MiB)]
 FULL_READ_SWEEP = [(t, w * C.MiB) for t in (1, 2, 4, 8) for w in (8, 16, 32, 64)]
 FULL_WRITE_SWEEP = [(t, w * C.MiB) for t in (1, 2, 4, 8) for w in (8, 16, 32, 64)]
 MAX_WINDOW = 64 * C.MiB
+TRAIN_S = 3.0  # "training" between resume and the first save, in the stall methods
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -713,14 +714,16 @@ def ckpt_verify(b: Bench) -> float:
 @method("stall", "Checkpointer.save stall, first save")
 def stall_first(b: Bench) -> float:
     """The blocking part (flatten + staging) of a new Checkpointer's first save, after
-    resume(state) of a new job (what a training loop does first). The Checkpointer is kept
-    for the next method's later save."""
+    resume(state) of a new job and TRAIN_S seconds standing in for the training steps
+    before the first save (what a training loop does). The Checkpointer is kept for the
+    next method's later save."""
     import ckpt
 
     job = b.path("ckpt-stall")
     cp = ckpt.Checkpointer(job, verify="size")
     b.notes["stall_cp"] = cp
     cp.resume(b.state, allow_fresh_start=True)
+    time.sleep(TRAIN_S)
     os.sync()
     pending = cp.save(b.state, 1)
     pending.wait()

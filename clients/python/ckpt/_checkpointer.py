@@ -35,7 +35,7 @@ from ckpt._protocol import RankSave
 from ckpt._restore import LoadResult
 from ckpt._results import SaveResult, check_metadata, log_saved
 from ckpt._save_job import SaveJob, SaveOptions
-from ckpt._staging import HostImage
+from ckpt._staging import HostImage, prepare_for
 from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport
 from ckptd.errors import CheckpointNotFound, CkptError, CoordinatorUnavailable, SaveFailed
 from ckptd.faults import crash_point
@@ -473,6 +473,7 @@ class Checkpointer:
         loads, unless allow_fresh_start=True (then logs the error and returns None).
         """
         self._check_open()
+        prepare_for(self._image, state, rank=self.rank, budget=self.options.staging_budget_bytes)
         step = _resume.resume(
             self.path,
             self.tiers,
