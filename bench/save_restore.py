@@ -6,7 +6,13 @@ disk hits all of them):
           file), raw cold read (buffered / O_DIRECT), blake3
   peers   torch.save/load(mmap), safetensors, torch.distributed.checkpoint (DCP)
   DCP through ckptd  DCP's save/load with ckpt.integrations.dcp's StorageWriter/Reader
-  ckpt    save(verify=size), save(size, preallocate), save(verify=full), load, verify
+  floors  the very files (or a file of the same size in the same place) the ckpt method
+          next to them reads or writes, each the best of a threads x window sweep: a cold
+          read of ckpt's shard files, a new file written and read back, an overwrite of
+          the recycle pool's file (so a ratio above 1.0 is impossible by construction)
+  ckpt    save(verify=size), save(size, preallocate), save(verify=full), recycled save,
+          load, Checkpointer.resume, verify, and the first vs a later Checkpointer.save
+          stall
 and prints median GB/s (GB = 1e9 bytes) with the min-max spread, then ckpt's ratios to
 the limits and peers, each a ratio of medians of this run. Every save is durable (fsync);
 every load and read is cold (caches dropped first). Results go to
