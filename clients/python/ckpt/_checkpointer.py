@@ -473,7 +473,6 @@ class Checkpointer:
         loads, unless allow_fresh_start=True (then logs the error and returns None).
         """
         self._check_open()
-        prepare_for(self._image, state, rank=self.rank, budget=self.options.staging_budget_bytes)
         step = _resume.resume(
             self.path,
             self.tiers,
@@ -483,6 +482,8 @@ class Checkpointer:
             allow_fresh_start=allow_fresh_start,
             strict=strict,
         )
+        # After the load (not competing with it): map the first save's staging image.
+        prepare_for(self._image, state, rank=self.rank, budget=self.options.staging_budget_bytes)
         if step is not None:
             self._last_step = step
         return step

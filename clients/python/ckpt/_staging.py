@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -59,6 +60,10 @@ class HostImage:
             return
 
         def run() -> None:
+            try:  # Linux nice is per thread: yield the cores to training and its I/O
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except (AttributeError, OSError):
+                pass
             self.ensure(size)
             if pin:
                 self.pin()
