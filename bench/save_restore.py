@@ -6,7 +6,13 @@ disk hits all of them):
           file), raw cold read (buffered / O_DIRECT), blake3
   peers   torch.save/load(mmap), safetensors, torch.distributed.checkpoint (DCP)
   DCP through ckptd  DCP's save/load with ckpt.integrations.dcp's StorageWriter/Reader
-  ckpt    save(verify=size), save(size, preallocate), save(verify=full), load, verify
+  floors  the very files (or a file of the same size in the same place) the ckpt method
+          next to them reads or writes, each the best of a threads x window sweep: a cold
+          read of ckpt's shard files, a new file written and read back, an overwrite of
+          the recycle pool's file (so a ratio above 1.0 is impossible by construction)
+  ckpt    save(verify=size), save(size, preallocate), save(verify=full), recycled save,
+          load, Checkpointer.resume, verify, and the first vs a later Checkpointer.save
+          stall
 and prints median GB/s (GB = 1e9 bytes) with the min-max spread, then ckpt's ratios to
 the limits and peers, each a ratio of medians of this run. Every save is durable (fsync);
 every load and read is cold (caches dropped first). Results go to
@@ -40,6 +46,14 @@ import torch
 WRITE_WINDOW = 8 * C.MiB
 READ_WINDOW = 16 * C.MiB
 HASH_BLOCK = 16 * C.MiB
+# The floors' configurations (threads, window bytes): every floor is the best of these in
+# each repetition (--floor-sweep full tries more).
+READ_SWEEP = [(2, 16 * C.MiB), (4, 16 * C.MiB), (4, 64 * C.MiB), (8, 64 * C.MiB)]
+WRITE_SWEEP = [(2, 8 * C.MiB), (4, 8 * C.MiB), (2, 32 * C.MiB), (4, 32 * C.MiB)]
+FULL_READ_SWEEP = [(t, w * C.MiB) for t in (1, 2, 4, 8) for w in (8, 16, 32, 64)]
+FULL_WRITE_SWEEP = [(t, w * C.MiB) for t in (1, 2, 4, 8) for w in (8, 16, 32, 64)]
+MAX_WINDOW = 64 * C.MiB
+TRAIN_S = 3.0  # "training" between resume and the first save, in the stall methods
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -57,6 +71,9 @@ class Bench:
     dst: dict[str, Any] = field(init=False)  # preallocated destination (views into image)
     dst_flat: dict[str, torch.Tensor] = field(init=False)
     windows: list[tuple[int, int, list[tuple[int, np.ndarray]]]] = field(init=False)
+    _windows: dict[int, list[tuple[int, int, list[tuple[int, np.ndarray]]]]] = field(
+        init=False, default_factory=dict
+    )
     bufs: queue.SimpleQueue[np.ndarray] = field(init=False)
     outputs: dict[str, Path] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
@@ -83,11 +100,20 @@ class Bench:
                 self.dst[group].setdefault(name, {})[moment[0]] = t
             else:
                 self.dst[group][name] = t
-        self.windows = []
+        self.windows = self.windows_of(WRITE_WINDOW)
+        self.bufs = queue.SimpleQueue()
+        for _ in range(8):
+            self.bufs.put(C.aligned_buffer(MAX_WINDOW))
+
+    def windows_of(self, window: int) -> list[tuple[int, int, list[tuple[int, np.ndarray]]]]:
+        """The raw file cut in `window`-byte writes, each with the tensors' pieces in it."""
+        if window in self._windows:
+            return self._windows[window]
+        out = self._windows[window] = []
         src = [C.u8(t) for _, t in self.flat]
         j = 0
-        for start in range(0, self.size, WRITE_WINDOW):
-            end = min(self.size, start + WRITE_WINDOW)
+        for start in range(0, self.size, window):
+            end = min(self.size, start + window)
             pieces = []
             while j < len(src) and self.offsets[j] + src[j].nbytes <= start:
                 j += 1
@@ -97,10 +123,8 @@ class Bench:
                 if hi > lo:
                     pieces.append((lo, src[k][lo - self.offsets[k] : hi - self.offsets[k]]))
                 k += 1
-            self.windows.append((start, end - start, pieces))
-        self.bufs = queue.SimpleQueue()
-        for _ in range(4):
-            self.bufs.put(C.aligned_buffer(max(WRITE_WINDOW, READ_WINDOW)))
+            out.append((start, end - start, pieces))
+        return out
 
     # outputs of save methods, consumed by the load methods of the same repetition
     def need(self, key: str, producer: Callable[[Bench], float]) -> Path:
@@ -213,7 +237,14 @@ def _write_window(b: Bench, fd: int, direct: bool, nocopy: bool, w: tuple) -> No
         raise OSError(f"short write at {off}: {done} of {length} bytes")
 
 
-def raw_write(b: Bench, threads: int, direct: bool, mode: str = "new", nocopy: bool = False):
+def raw_write(
+    b: Bench,
+    threads: int,
+    direct: bool,
+    mode: str = "new",
+    nocopy: bool = False,
+    window: int = WRITE_WINDOW,
+) -> float:
     """Write the tensors' bytes (4 KiB-aligned each) to one file in 8 MiB windows, fsync.
 
     mode "new": a new file, ftruncate'd to its size first (as ckpt does);
@@ -233,7 +264,9 @@ def raw_write(b: Bench, threads: int, direct: bool, mode: str = "new", nocopy: b
                 os.posix_fallocate(fd, 0, b.size)
             elif mode == "new":
                 os.ftruncate(fd, b.size)
-            pool_map(threads, lambda w: _write_window(b, fd, direct, nocopy, w), b.windows)
+            pool_map(
+                threads, lambda w: _write_window(b, fd, direct, nocopy, w), b.windows_of(window)
+            )
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -243,27 +276,52 @@ def raw_write(b: Bench, threads: int, direct: bool, mode: str = "new", nocopy: b
     return clk.s
 
 
+def _read_files(b: Bench, paths: list[Path], threads: int, window: int, direct: bool) -> None:
+    """Positional reads of every file, `window` bytes each, into aligned buffers."""
+    fds = [os.open(p, os.O_RDONLY | (O_DIRECT if direct else 0)) for p in paths]
+    try:
+        tasks = [
+            (fd, off, min(window, size - off))
+            for fd, size in zip(fds, (p.stat().st_size for p in paths), strict=True)
+            for off in range(0, size, window)
+        ]
+
+        def read(task: tuple[int, int, int]) -> None:
+            fd, off, n = task
+            buf = b.bufs.get()
+            try:
+                if os.preadv(fd, [buf[: -(-n // C.ALIGN) * C.ALIGN]], off) < n:
+                    raise OSError(f"short read at {off}")
+            finally:
+                b.bufs.put(buf)
+
+        pool_map(threads, read, tasks)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def best_cold_read(b: Bench, paths: list[Path], label: str, direct: bool = True) -> float:
+    """The fastest of READ_SWEEP (threads x window) cold reads of `paths`, each timed alone
+    with the page cache dropped first; every configuration's time goes to the notes."""
+    best = float("inf")
+    got: dict[str, float] = {}
+    for threads, window in READ_SWEEP:
+        with Clock(b) as clk:
+            _read_files(b, paths, threads, window, direct)
+        got[f"{threads} thr x {window // C.MiB} MiB"] = clk.s
+        best = min(best, clk.s)
+    b.notes.setdefault("floor_sweeps", {}).setdefault(label, []).append(got)
+    return best
+
+
 def raw_read(b: Bench, threads: int, direct: bool) -> float:
     """Cold positional reads of the reference file, 16 MiB windows, into aligned buffers."""
     ref = b.work / "raw.bin"
     if not ref.exists():
         raw_write(b, 2, True)
-
-    def read(off: int) -> None:
-        buf = b.bufs.get()
-        try:
-            n = min(READ_WINDOW, b.size - off)
-            if os.preadv(fd, [buf[:n]], off) != n:
-                raise OSError(f"short read at {off}")
-        finally:
-            b.bufs.put(buf)
-
     with Clock(b) as clk:
-        fd = os.open(ref, os.O_RDONLY | (O_DIRECT if direct else 0))
-        try:
-            pool_map(threads, read, list(range(0, b.size, READ_WINDOW)))
-        finally:
-            os.close(fd)
+        _read_files(b, [ref], threads, READ_WINDOW, direct)
     return clk.s
 
 
@@ -286,6 +344,50 @@ method("limit", "raw write overwrite blocks, O_DIRECT, 2 thr")(
 method("limit", "raw cold read, buffered, 2 thr")(lambda b: raw_read(b, 2, direct=False))
 method("limit", "raw cold read, O_DIRECT, 2 thr")(lambda b: raw_read(b, 2, direct=True))
 method("limit", "raw cold read, O_DIRECT, 4 thr")(lambda b: raw_read(b, 4, direct=True))
+
+
+@method("floor", "floor: write new file + cold read it back, O_DIRECT, best")
+def floor_write_read(b: Bench) -> float:
+    """What verify="full" asks of the disk, done the fastest way the sweeps find: a new
+    file written (no copy, from the page-aligned image), fsynced, then read cold; or each
+    window read back as soon as it is written (overlapped), then fsynced. The best of the
+    serial (best write + best read) and the best overlapped configuration."""
+    best_w = min(raw_write(b, t, True, nocopy=True, window=w) for t, w in WRITE_SWEEP)
+    serial = best_w + best_cold_read(b, [b.work / "raw.bin"], "raw.bin read back")
+    overlapped = min(_write_readback(b, t, w) for t, w in WRITE_SWEEP)
+    b.notes.setdefault("floor_write_read", []).append(
+        {"best_write_s": best_w, "serial_s": serial, "overlapped_s": overlapped}
+    )
+    return min(serial, overlapped)
+
+
+def _write_readback(b: Bench, threads: int, window: int) -> float:
+    path = b.path("raw-new.bin")
+
+    def one(w: tuple) -> None:
+        off, length, _ = w
+        _write_window(b, fd, True, True, w)
+        buf = b.bufs.get()
+        try:
+            n = -(-length // C.ALIGN) * C.ALIGN
+            if os.preadv(rfd, [buf[:n]], off) < length:
+                raise OSError(f"short read back at {off}")
+        finally:
+            b.bufs.put(buf)
+
+    with Clock(b) as clk:
+        fd = os.open(path, os.O_WRONLY | O_DIRECT | os.O_CREAT | os.O_EXCL, 0o644)
+        rfd = os.open(path, os.O_RDONLY | O_DIRECT)
+        try:
+            os.ftruncate(fd, b.size)
+            pool_map(threads, one, b.windows_of(window))
+            os.fsync(fd)
+        finally:
+            os.close(rfd)
+            os.close(fd)
+        C.fsync_dir(b.work)
+    os.replace(path, b.work / "raw.bin")
+    return clk.s
 
 
 def hash_all(b: Bench, threads: int) -> float:
@@ -462,17 +564,64 @@ method("ckpt", "ckpt save(verify=size, preallocate)")(
 method("ckpt", "ckpt save(verify=full)")(lambda b: ckpt_save(b, "full", key="ckpt"))
 
 
+RECYCLED_JOB = "ckpt-recycled"
+
+
+def _recycled_job(b: Bench) -> tuple[Path, int]:
+    """The keep_last=1 job and its next step, primed (untimed) until its recycle pool holds
+    a retired shard file: the next save then overwrites that file's blocks."""
+    import ckpt
+
+    job = b.work / RECYCLED_JOB
+    step = b.notes.get("recycled_step", 0)
+    while not _pool_files(job):
+        step += 1
+        ckpt.save(b.state, job, step=step, verify="size", keep_last=1)
+    b.notes["recycled_step"] = step
+    return job, step + 1
+
+
+def _pool_files(job: Path) -> list[Path]:
+    return sorted((job / ".ckptd" / "recycle").glob("*.bin"))
+
+
+@method("floor", "floor: overwrite the recycle pool's file, O_DIRECT, best")
+def floor_overwrite_pool(b: Bench) -> float:
+    """Overwrite (O_DIRECT, no copy, fsync) the very file the recycled save takes next, in
+    each WRITE_SWEEP configuration; the fastest. Its old bytes are about to be overwritten
+    by that save anyway."""
+    job, _ = _recycled_job(b)
+    (pool_file,) = _pool_files(job)  # keep_last=1: one retired shard file
+    size = pool_file.stat().st_size
+    if size != b.size:
+        raise AssertionError(f"pool file {size} bytes, the raw layout {b.size}")
+    best = float("inf")
+    got = {}
+    for threads, window in WRITE_SWEEP:
+        with Clock(b) as clk:
+            fd = os.open(pool_file, os.O_WRONLY | O_DIRECT)
+            try:
+                pool_map(
+                    threads,
+                    lambda w, fd=fd: _write_window(b, fd, True, True, w),
+                    b.windows_of(window),
+                )
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        got[f"{threads} thr x {window // C.MiB} MiB"] = clk.s
+        best = min(best, clk.s)
+    b.notes.setdefault("floor_sweeps", {}).setdefault("pool overwrite", []).append(got)
+    return best
+
+
 @method("ckpt", "ckpt save(verify=size, recycled)")
 def ckpt_save_recycled(b: Bench) -> float:
     """Periodic checkpointing with keep_last=1: each save overwrites the blocks of the
     shard file retention retired from the previous step (ckptd's recycle pool)."""
     import ckpt
 
-    job = b.work / "ckpt-recycled"
-    step = b.notes.get("recycled_step", 0) + 1
-    if step == 1:  # prime the pool, untimed
-        ckpt.save(b.state, job, step=step, verify="size", keep_last=1)
-        step += 1
+    job, step = _recycled_job(b)
     with Clock(b) as clk:
         ckpt.save(b.state, job, step=step, verify="size", keep_last=1)
     b.notes["recycled_step"] = step
@@ -494,7 +643,36 @@ def ckpt_load(b: Bench, **kw: Any) -> float:
     return clk.s
 
 
+def shard_files(job: Path) -> list[Path]:
+    return sorted(job.glob("step-*/shards/*.bin"))
+
+
+@method("floor", "floor: cold read of ckpt's shard files, O_DIRECT, best")
+def floor_read_shards(b: Bench) -> float:
+    """The files the load, the resume and the verify below read, read cold in each
+    READ_SWEEP configuration; the fastest."""
+    return best_cold_read(b, shard_files(b.need("ckpt", _saved_ckpt)), "shard files read")
+
+
 method("ckpt", "ckpt load")(ckpt_load)
+
+
+@method("ckpt", "Checkpointer.resume(state)")
+def ckpt_resume(b: Bench) -> float:
+    """Checkpointer(job).resume(state) of the same checkpoint (opening it untimed)."""
+    import ckpt
+
+    job = b.need("ckpt", _saved_ckpt)
+    b.poison()
+    cp = ckpt.Checkpointer(job)
+    try:
+        with Clock(b) as clk:
+            if cp.resume(b.dst) != 1:
+                raise AssertionError("resume did not load step 1")
+    finally:
+        cp.close()
+    b.check()
+    return clk.s
 
 
 def _run_ckptctl(job: Path) -> tuple[str, Callable[[], None]]:
@@ -539,6 +717,41 @@ def ckpt_verify(b: Bench) -> float:
     return clk.s
 
 
+@method("stall", "Checkpointer.save stall, first save")
+def stall_first(b: Bench) -> float:
+    """The blocking part (flatten + staging) of a new Checkpointer's first save, after
+    resume(state) of a new job and TRAIN_S seconds standing in for the training steps
+    before the first save (what a training loop does). The Checkpointer is kept for the
+    next method's later save."""
+    import ckpt
+
+    job = b.path("ckpt-stall")
+    cp = ckpt.Checkpointer(job, verify="size")
+    b.notes["stall_cp"] = cp
+    cp.resume(b.state, allow_fresh_start=True)
+    time.sleep(TRAIN_S)
+    os.sync()
+    pending = cp.save(b.state, 1)
+    pending.wait()
+    return pending.blocking_s
+
+
+@method("stall", "Checkpointer.save stall, a later save")
+def stall_later(b: Bench) -> float:
+    cp = b.notes.pop("stall_cp", None)
+    if cp is None:
+        stall_first(b)
+        cp = b.notes.pop("stall_cp")
+    try:
+        os.sync()
+        pending = cp.save(b.state, 2)
+        pending.wait()
+        return pending.blocking_s
+    finally:
+        cp.close()
+        C.remove(b.work / "ckpt-stall")
+
+
 def add_sweep() -> None:
     """ckpt save(size) and load under other knob settings (--sweep). early_writeback only
     acts on buffered writes, so it is varied with direct_io=False only."""
@@ -572,9 +785,15 @@ def add_sweep() -> None:
 def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
     """ckpt against its floors and peers; each a ratio of median GB/s of this run.
 
-    Floors: the best new-file write is the best of the buffered and O_DIRECT (bounce
-    copy) variants, 1 and 2 threads (the no-copy variant needs page-aligned tensors,
-    which a writer does not get); write + read back combines times (1 / (1/w + 1/r)).
+    The floors (group "floor") read or write the very files the ckpt method does, or a
+    file of the same size in the same directory, at the same point of the repetition, each
+    in the best configuration of a sweep, so a ratio above 1.0 means a floor is wrong:
+    a verified load or verify reads its shard files and must hash them, so its floor is
+    min(cold read of those files, blake3 on 2 threads); verify="full" writes a new file and
+    reads it back; a recycled save overwrites the pool file the floor overwrote moments
+    before. The older "best raw" rows (raw.bin, written moments before the read and maybe
+    served by a cache below the VM) are kept as info. The stall row is later / first (a
+    first stall at most 1.5x a later one is a ratio of at least 0.67).
     """
     nan = float("nan")
 
@@ -585,15 +804,18 @@ def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
     new_write = best(
         [f"raw write new file, {m}, {t} thr" for m in ("buffered", "O_DIRECT") for t in (1, 2)]
     )
-    cold_read = best([n for n in med if n.startswith("raw cold read")])
     direct_read = best([n for n in med if n.startswith("raw cold read, O_DIRECT")])
-    write_read = 1 / (1 / new_write + 1 / cold_read)
-    verify_floor = min(cold_read, med.get("blake3, 2 threads", nan))
+    blake2 = med.get("blake3, 2 threads", nan)
+    shard_read = med.get("floor: cold read of ckpt's shard files, O_DIRECT, best", nan)
+    read_floor = min(shard_read, blake2)
+    write_read = med.get("floor: write new file + cold read it back, O_DIRECT, best", nan)
+    pool_write = med.get("floor: overwrite the recycle pool's file, O_DIRECT, best", nan)
     save = med.get("ckpt save(verify=size)", nan)
     pre = med.get("ckpt save(verify=size, preallocate)", nan)
     rec = med.get("ckpt save(verify=size, recycled)", nan)
     full = med.get("ckpt save(verify=full)", nan)
     load = med.get("ckpt load", nan)
+    resume = med.get("Checkpointer.resume(state)", nan)
     ver = med.get("ckptctl verify --level full", nan)
     dcp_save, dcp_load = med.get("DCP save, 2 threads", nan), med.get("DCP load", nan)
     dcp_ckptd_size = med.get("DCP through ckptd save (verify=size)", nan)
@@ -601,18 +823,50 @@ def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
     dcp_ckptd_load = med.get("DCP through ckptd load", nan)
     falloc = med.get("raw write fallocated file, O_DIRECT, 2 thr", nan)
     overwrite = med.get("raw write overwrite blocks, O_DIRECT, 2 thr", nan)
+    # GB/s of a stall is bytes over blocking seconds: later / first in time is first / later
+    stall_first = med.get("Checkpointer.save stall, first save", nan)
+    stall_later = med.get("Checkpointer.save stall, a later save", nan)
     rows = [
+        # the issue's table (issue 16), against the honest floors
+        ("ckpt load / min(cold read of its shard files, blake3 2 thr)", load, read_floor, 0.85),
+        ("ckpt load / DCP load", load, dcp_load, 2.0),
+        (
+            "Checkpointer.resume / min(cold read of its shard files, blake3 2 thr)",
+            resume,
+            read_floor,
+            0.85,
+        ),
+        ("ckpt save(full) / DCP save", full, dcp_save, 1.2),
+        ("ckpt save(full) / write new file + read it back", full, write_read, 0.9),
+        ("ckpt save(size, recycled) / overwrite of that pool file", rec, pool_write, 0.8),
+        (
+            "ckptctl verify full / min(cold read of its shard files, blake3 2 thr)",
+            ver,
+            read_floor,
+            0.85,
+        ),
+        (
+            "Checkpointer.save stall: later / first (time first/later <= 1.5)",
+            stall_first,
+            stall_later,
+            1 / 1.5,
+        ),
+        # the earlier targets
         ("ckpt save(size) / best raw new-file write+fsync", save, new_write, 0.8),
         ("ckpt save(size) / DCP save", save, dcp_save, 1.0),
         ("ckpt save(size, prealloc) / raw O_DIRECT fallocated write", pre, falloc, 0.8),
         ("ckpt save(size, prealloc) / raw O_DIRECT overwrite (info)", pre, overwrite, None),
         ("ckpt save(size, prealloc) / DCP save", pre, dcp_save, 1.5),
-        ("ckpt save(size, recycled) / raw O_DIRECT overwrite", rec, overwrite, 0.8),
         ("ckpt save(size, recycled) / DCP save", rec, dcp_save, 1.5),
-        ("ckpt save(full) / raw write + cold read back", full, write_read, 0.8),
-        ("ckpt load / best raw O_DIRECT cold read", load, direct_read, 0.8),
-        ("ckpt load / DCP load", load, dcp_load, 1.5),
-        ("ckptctl verify full / min(cold read, blake3 2 thr)", ver, verify_floor, 0.8),
+        ("ckpt load / DCP load (earlier target)", load, dcp_load, 1.5),
+        # raw.bin was written moments before its read: a cache below the VM may serve it
+        ("ckpt load / best raw O_DIRECT cold read of raw.bin (info)", load, direct_read, None),
+        (
+            "ckpt save(size, recycled) / raw O_DIRECT overwrite of raw.bin (info)",
+            rec,
+            overwrite,
+            None,
+        ),
         # The cost of hashing + a verified commit on top of DCP's own planning (info).
         ("DCP-through-ckptd save(size) / DCP save", dcp_ckptd_size, dcp_save, None),
         ("DCP-through-ckptd save(full) / DCP save", dcp_ckptd_save, dcp_save, None),
@@ -635,7 +889,16 @@ def main(argv: list[str] | None = None) -> int:
         help="run only methods whose name contains one of these |-separated substrings",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--floor-sweep",
+        choices=("short", "full"),
+        default="short",
+        help="the floors' threads x window configurations: a few (default) or 4 x 4",
+    )
     args = p.parse_args(argv)
+    if args.floor_sweep == "full":
+        READ_SWEEP[:] = FULL_READ_SWEEP
+        WRITE_SWEEP[:] = FULL_WRITE_SWEEP
     warnings.filterwarnings("ignore", module="torch.distributed")
     if args.sweep:
         add_sweep()

@@ -10,8 +10,9 @@ of the same pool (no nesting), so sharing cannot deadlock.
 from __future__ import annotations
 
 import atexit
+import collections
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
@@ -50,6 +51,62 @@ def wait_all(futures: Sequence[Future[T]]) -> list[T]:
     if first is not None:
         raise first
     return results
+
+
+class Pipeline:
+    """Tasks on a shared pool, at most `limit` in flight, so that tasks added while it runs
+    (`urgent`) go before the ones still queued instead of after all of them: a save's
+    read-back of a written window runs while later windows are still being written.
+
+    run() returns when every task is done; on a failure no new task starts, the running
+    ones are waited for, and the first failure is raised.
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor, limit: int, tasks: Iterable[Callable[[], None]]):
+        self._pool = pool
+        self._limit = max(1, limit)
+        self._queued: collections.deque[Callable[[], None]] = collections.deque(tasks)
+        self._urgent: collections.deque[Callable[[], None]] = collections.deque()
+        self._cond = threading.Condition()
+        self._running = 0
+        self._error: BaseException | None = None
+
+    def urgent(self, fn: Callable[[], None]) -> None:
+        with self._cond:
+            self._urgent.append(fn)
+            self._pump()
+
+    def _pump(self) -> None:  # holds the lock
+        while self._error is None and self._running < self._limit:
+            if self._urgent:
+                fn = self._urgent.popleft()
+            elif self._queued:
+                fn = self._queued.popleft()
+            else:
+                break
+            self._running += 1
+            self._pool.submit(self._run, fn)
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        error = None
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to run()'s caller
+            error = e
+        with self._cond:
+            self._running -= 1
+            if error is not None and self._error is None:
+                self._error = error
+            self._pump()
+            self._cond.notify_all()
+
+    def run(self) -> None:
+        with self._cond:
+            self._pump()
+            while self._running or (self._error is None and (self._urgent or self._queued)):
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
 
 
 def _shutdown() -> None:

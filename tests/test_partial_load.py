@@ -167,12 +167,13 @@ def test_unreadable_newest_falls_back_without_quarantine(job, monkeypatch):
     import errno
 
     from ckptd.errors import StorageError
+    from ckptd.storage.base import ReadHandle
     from ckptd.storage.local import LocalStorage
 
     for s in (1, 2):
         ckpt.save({"w": torch.full((64,), float(s))}, job, step=s)
 
-    class Failing:
+    class Failing(ReadHandle):
         def __init__(self, h):
             self.h, self.size, self.path = h, h.size, h.path
 

@@ -100,6 +100,9 @@ class ShardReads:
     path: str  # the shard file, relative to the job directory
     reads: list[EntryRead]
     sinks: list[Callable[[int, np.ndarray], Any]]  # (byte offset in the entry, verified bytes)
+    # Where a read's whole entry lands unchanged in its box (else None): the reader may
+    # read straight into it (ckptd.format.reader).
+    into: list[np.ndarray | None] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -129,6 +132,8 @@ def plan_boxes(ck: OpenCheckpoint, boxes: Sequence[BoxRead]) -> BoxPlan:
             ranges = None if ov.whole else ov.ranges(block)
             reads.reads.append(EntryRead(chunk.entry, ranges))
             reads.sinks.append(functools.partial(ov.copy, box.out))
+            whole = ov.whole and ranges is None
+            reads.into.append(box.out[ov.dst_start : ov.dst_start + ov.nbytes] if whole else None)
             for b in covering_blocks(chunk.entry.length, block, ranges):
                 total += min(block, chunk.entry.length - b * block)
     return BoxPlan(sorted(per_shard.values(), key=lambda r: r.shard), total)
@@ -158,6 +163,7 @@ def read_planned(
             threads=threads,
             cold=cold,
             progress=progress,
+            into=sr.into or None,
         )
 
     if len(plan.shards) == 1:

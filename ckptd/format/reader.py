@@ -11,11 +11,18 @@ the overlap of a saved chunk with the chunk a rank wants): only the blocks that 
 those ranges are read, and they are read whole, because a block can only be verified
 whole. The sink then sees every byte of those blocks, verified, and picks what it needs;
 nothing outside the covering blocks is read.
+
+Where the caller gives an entry's destination (the whole entry, C-contiguous) and the
+storage can read straight into it (page-aligned memory under O_DIRECT), the entry is read
+there in windows and each block is hashed in place: no bounce buffer, no copy, and the
+sink is not called. A block whose hash does not match is zeroed before the error is
+raised, so its bytes never remain in the caller's memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -24,7 +31,7 @@ from ckptd import iopool, knobs
 from ckptd.errors import CorruptCheckpoint, HashMismatch, StorageError
 from ckptd.format import hashing
 from ckptd.format.manifest import IndexEntry
-from ckptd.storage.base import Storage
+from ckptd.storage.base import ReadHandle, Storage
 
 # sink(entry position in the list, byte offset inside the entry, verified bytes)
 Sink = Callable[[int, int, np.ndarray], None]
@@ -111,6 +118,7 @@ def read_entries(
     threads: int | None = None,
     collect: bool = False,
     progress: Callable[[int], None] | None = None,
+    into: Sequence[np.ndarray | None] | None = None,
 ) -> list[CorruptCheckpoint]:
     """Read and verify the blocks of `entries` from one shard file.
 
@@ -120,54 +128,138 @@ def read_entries(
     the requested ranges. The bytes may live in a per-thread buffer: consume them in the
     sink. With collect=False the first mismatch raises HashMismatch; with collect=True all
     problems are returned (ckptctl verify reports every bad key, not the first).
+    into[i], where given: the destination of all of entry i (entry.length bytes); the
+    entry is read straight into it when the handle can (see the module docstring).
     """
     k = knobs.get()
-    windows = plan_reads(entries, block, k.read_window)
-    if not windows:
-        return []
     plain = [r.entry if isinstance(r, EntryRead) else r for r in entries]
     handle = storage.open_read(path, cold=cold)
-    problems: list[CorruptCheckpoint] = []
 
-    def run(w: ReadWindow) -> list[CorruptCheckpoint]:
-        bad: list[CorruptCheckpoint] = []
+    def mismatch(ent: IndexEntry, b: int, start: int, length: int, got: str) -> HashMismatch:
+        return _mismatch(storage, path, ent, b, start, length, got)
+
+    def failed(ent: IndexEntry, offset: int, length: int, e: StorageError) -> CorruptCheckpoint:
+        return _failed(storage, path, ent, offset, length, e)
+
+    def read_window(w: ReadWindow) -> list[CorruptCheckpoint]:
+        return check_window(
+            storage, path, handle, w, plain, collect=collect, sink=sink, progress=progress
+        )
+
+    def read_direct(i: int, start: int, out: np.ndarray) -> list[CorruptCheckpoint]:
+        ent = plain[i]
         try:
-            data = handle.read(w.offset, w.length)
+            handle.read_into(ent.offset + start, out)
         except StorageError as e:
-            err = CorruptCheckpoint(
-                f"{storage.url}/{path}: reading bytes {w.offset}..{w.offset + w.length} "
-                f"(key {plain[w.parts[0].entry].key!r}) failed: {e}"
-            )
+            out.fill(0)
+            err = failed(ent, ent.offset + start, out.nbytes, e)
             if not collect:
                 raise err from e
             return [err]
-        for p in w.parts:
-            view = data[p.at : p.at + p.length]
-            ent = plain[p.entry]
+        bad: list[CorruptCheckpoint] = []
+        for s in range(0, out.nbytes, block):
+            view = out[s : s + block]
+            b = (start + s) // block
             got = hashing.digest(view)
-            if got != ent.blake3[p.block]:
-                err = HashMismatch(
-                    f"{storage.url}/{path}: key {ent.key!r} block {p.block} "
-                    f"(file bytes {ent.offset + p.start}..{ent.offset + p.start + p.length}) "
-                    f"has blake3 {got[:16]}..., the index says {ent.blake3[p.block][:16]}...; "
-                    "the shard is corrupt: restore an earlier step or a replica"
-                )
+            if got != ent.blake3[b]:
+                view.fill(0)  # unverified bytes never stay in the caller's memory
+                err = mismatch(ent, b, start + s, view.nbytes, got)
                 if not collect:
                     raise err
                 bad.append(err)
-            elif sink is not None:
-                sink(p.entry, p.start, view)
         if progress is not None:
-            progress(w.length)
+            progress(out.nbytes)
         return bad
 
+    problems: list[CorruptCheckpoint] = []
     try:
+        direct: dict[int, np.ndarray] = {}
+        for i, out in enumerate(into or ()):
+            r = entries[i]
+            whole = not isinstance(r, EntryRead) or r.ranges is None
+            if out is not None and whole and plain[i].length and handle.can_read_into(out):
+                if out.nbytes != plain[i].length:
+                    raise ValueError(f"key {plain[i].key!r}: a destination of the wrong size")
+                direct[i] = out
+        rest = [i for i in range(len(entries)) if i not in direct]
+        windows = plan_reads([entries[i] for i in rest], block, k.read_window)
+        for w in windows:
+            for p in w.parts:
+                p.entry = rest[p.entry]
+        tasks: list[tuple[int, Callable[[], list[CorruptCheckpoint]]]] = [
+            (w.offset, functools.partial(read_window, w)) for w in windows
+        ]
+        span = max(block, k.read_window // block * block)  # whole blocks per read
+        for i, out in direct.items():
+            e = plain[i]
+            for s in range(0, e.length, span):
+                part = out[s : min(e.length, s + span)]
+                tasks.append((e.offset + s, functools.partial(read_direct, i, s, part)))
+        tasks.sort(key=lambda t: t[0])  # in file order: the disk sees one stream
         pool = iopool.executor(threads or k.io_threads)
-        for found in iopool.wait_all([pool.submit(run, w) for w in windows]):
+        for found in iopool.wait_all([pool.submit(fn) for _, fn in tasks]):
             problems.extend(found)
     finally:
         handle.close()
     return problems
+
+
+def _mismatch(
+    storage: Storage, path: str, ent: IndexEntry, b: int, start: int, length: int, got: str
+) -> HashMismatch:
+    return HashMismatch(
+        f"{storage.url}/{path}: key {ent.key!r} block {b} "
+        f"(file bytes {ent.offset + start}..{ent.offset + start + length}) "
+        f"has blake3 {got[:16]}..., the index says {ent.blake3[b][:16]}...; "
+        "the shard is corrupt: restore an earlier step or a replica"
+    )
+
+
+def _failed(
+    storage: Storage, path: str, ent: IndexEntry, offset: int, length: int, e: StorageError
+) -> CorruptCheckpoint:
+    return CorruptCheckpoint(
+        f"{storage.url}/{path}: reading bytes {offset}..{offset + length} "
+        f"(key {ent.key!r}) failed: {e}"
+    )
+
+
+def check_window(
+    storage: Storage,
+    path: str,
+    handle: ReadHandle,
+    w: ReadWindow,
+    entries: Sequence[IndexEntry],
+    *,
+    collect: bool = False,
+    sink: Sink | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[CorruptCheckpoint]:
+    """Read one planned window through `handle` and check each of its blocks against
+    entries[part.entry].blake3; verified blocks go to the sink. The problems (collect),
+    else the first one raised."""
+    bad: list[CorruptCheckpoint] = []
+    try:
+        data = handle.read(w.offset, w.length)
+    except StorageError as e:
+        err = _failed(storage, path, entries[w.parts[0].entry], w.offset, w.length, e)
+        if not collect:
+            raise err from e
+        return [err]
+    for p in w.parts:
+        view = data[p.at : p.at + p.length]
+        ent = entries[p.entry]
+        got = hashing.digest(view)
+        if got != ent.blake3[p.block]:
+            err = _mismatch(storage, path, ent, p.block, p.start, p.length, got)
+            if not collect:
+                raise err
+            bad.append(err)
+        elif sink is not None:
+            sink(p.entry, p.start, view)
+    if progress is not None:
+        progress(w.length)
+    return bad
 
 
 def verify_entries(

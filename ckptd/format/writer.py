@@ -10,14 +10,23 @@ pwritev from the pieces' memory). Hash tasks for the same bytes are interleaved
 with the writes in the same pool: blake3 and the I/O calls both release the GIL, so the
 disk and the cores are busy at once. Only after the data is durable is the index written,
 and only after verification does the caller get a ShardInfo it may commit.
+
+verify="full" on a handle that writes O_DIRECT checks the bytes while later windows are
+still being written: as soon as every write under a read window has returned (so its
+bytes left host memory for the device, the page cache bypassed) and its blocks' hashes
+are known, the window is read back O_DIRECT and each block's blake3 compared, ahead of
+the writes still queued (iopool.Pipeline). The file is then fsynced and nothing is
+committed before both. Anything not checked that way (a buffered write, a handle that
+fell back to buffered) is re-read after the fsync, the page cache dropped, as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 
 import numpy as np
 
@@ -26,8 +35,8 @@ from ckptd.errors import CkptError, CorruptCheckpoint, ShardSizeMismatch, Storag
 from ckptd.faults import crash_point
 from ckptd.format import hashing, layout, recycle
 from ckptd.format.manifest import IndexEntry, ShardIndex, ShardInfo, packing_gap
-from ckptd.format.reader import verify_entries
-from ckptd.storage.base import Piece, Storage, WriteHandle
+from ckptd.format.reader import ReadWindow, check_window, plan_reads, verify_entries
+from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
 
 
 @dataclasses.dataclass
@@ -185,8 +194,13 @@ class ShardWriter:
         size: int,
         preallocate: bool | None = None,
         io_threads: int | None = None,
+        verify: str | None = None,
     ):
         k = knobs.get()
+        # "full": check each window's bytes as soon as they are written (see the module
+        # docstring); the offsets of the entries checked that way.
+        self.verify_early = verify == "full"
+        self._checked: set[int] = set()
         self.storage, self.job, self.step, self.rank = storage, job, step, rank
         self.world_size, self.generation, self.size = world_size, generation, size
         self.block, self.align, self.window = k.block_size, k.alignment, k.io_window
@@ -248,21 +262,46 @@ class ShardWriter:
             else:
                 windows = _item_windows(items, offsets, self.align, self.window)
             groups = [] if digests is not None else _hash_groups(items, block, self.window)
-            pool = iopool.executor(self.threads)
-            futures: list[Future[None]] = []
+            early = None
+            if self.verify_early and getattr(self.handle, "direct", False):
+                try:
+                    early = _EarlyCheck(self, items, offsets, hashes, windows)
+                except _NoEarlyCheck:
+                    early = None
+            tasks: list[Callable[[], None]] = []
             for i in range(max(len(windows), len(groups))):
                 if i < len(windows):
-                    w_off, w_len, pieces = windows[i]
-                    futures.append(
-                        pool.submit(_write_window, self.handle, w_off, w_len, pieces, progress)
-                    )
+                    tasks.append(functools.partial(self._write_one, windows[i], i, early, progress))
                 if i < len(groups):
-                    futures.append(pool.submit(hash_group, groups[i]))
-            iopool.wait_all(futures)
+                    tasks.append(functools.partial(_hash_then, hash_group, groups[i], early))
+            pipe = iopool.Pipeline(iopool.executor(self.threads), self.threads, tasks)
+            if early is None:
+                pipe.run()
+            else:
+                early.pipe = pipe
+                try:
+                    pipe.run()
+                finally:
+                    early.handle.close()
+                early.check_all_read()
+                # Checked only if every byte went O_DIRECT (no fallback to buffered).
+                if getattr(self.handle, "direct", False):
+                    self._checked.update(offsets)
         except BaseException as e:
             self.abort()
             _reraise(e, self.ctx)
         return hashes
+
+    def _write_one(
+        self,
+        window: Window,
+        i: int,
+        early: _EarlyCheck | None,
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        _write_window(self.handle, window[0], window[1], window[2], progress)
+        if early is not None:
+            early.wrote(i)
 
     def finish(
         self,
@@ -331,6 +370,7 @@ class ShardWriter:
                 verify,
                 self.threads,
                 self.ctx,
+                checked=self._checked,
             )
         except BaseException as e:
             self.abort()
@@ -388,6 +428,7 @@ def write_shard(
         size=size,
         preallocate=preallocate,
         io_threads=io_threads,
+        verify=verify,
     )
     hashes = w.write(items, offsets, digests=digests, progress=progress)
     st.write_s = time.perf_counter() - t0
@@ -436,7 +477,10 @@ def _verify_written(
     verify: str,
     threads: int,
     ctx: str,
+    checked: set[int] | None = None,
 ) -> None:
+    """Size and index checks; with verify="full" the cold re-read of every entry not
+    `checked` (by offset) already as it was written."""
     size = storage.size(shard_path)
     if size != index.shard_size:
         raise ShardSizeMismatch(
@@ -446,11 +490,108 @@ def _verify_written(
     if reread != index_bytes:
         raise CorruptCheckpoint(f"{index_path} reads back different from what was written")
     if verify == "full":
-        problems = verify_entries(
-            storage, shard_path, index.entries, index.block_size, threads=threads
-        )
+        rest = [e for e in index.entries if not checked or e.offset not in checked]
+        if not rest:
+            return
+        problems = verify_entries(storage, shard_path, rest, index.block_size, threads=threads)
         if problems:
             raise problems[0]
+
+
+def _hash_then(
+    fn: Callable[[list[tuple[int, int]]], None],
+    group: list[tuple[int, int]],
+    early: _EarlyCheck | None,
+) -> None:
+    fn(group)
+    if early is not None:
+        early.advance()
+
+
+class _EarlyCheck:
+    """The read-back of one write() call, window by window, as the writes return.
+
+    A read window (whole blocks, as a load reads them) is checked once every write window
+    before its end has returned and its blocks' hashes are known; it runs on the writer's
+    pipeline ahead of the queued writes. Each write window that returns or hash group that
+    finishes advances the frontier.
+    """
+
+    def __init__(
+        self,
+        writer: ShardWriter,
+        items: Sequence[WriteItem],
+        offsets: Sequence[int],
+        hashes: list[list[str]],
+        windows: list[Window],
+    ):
+        self.writer = writer
+        self.entries = [
+            IndexEntry(
+                key=it.key,
+                dtype=it.dtype,
+                shape=list(it.shape),
+                chunk_offsets=list(it.chunk_offsets),
+                chunk_sizes=list(it.chunk_sizes),
+                offset=off,
+                length=it.data.nbytes,
+                blake3=hashes[i],  # filled in by the hash tasks
+                file=writer.shard_name,
+            )
+            for i, (it, off) in enumerate(zip(items, offsets, strict=True))
+        ]
+        k = knobs.get()
+        self.reads: list[ReadWindow] = plan_reads(self.entries, writer.block, k.read_window)
+        order = sorted(range(len(windows)), key=lambda i: windows[i][0])
+        self.rank_of = {w: r for r, w in enumerate(order)}  # write window -> position
+        self.starts = [windows[w][0] for w in order]
+        self.done = [False] * len(order)
+        self.frontier = 0  # write windows [0, frontier) in file order have all returned
+        self.next = 0
+        self.lock = threading.Lock()
+        self.pipe: iopool.Pipeline | None = None
+        self.handle: ReadHandle = writer.storage.open_read(writer.shard_path, cold=True)
+        if not getattr(self.handle, "direct", False):
+            self.handle.close()  # a buffered read-back could see the page cache
+            raise _NoEarlyCheck
+
+    def wrote(self, window: int) -> None:
+        with self.lock:
+            self.done[self.rank_of[window]] = True
+        self.advance()
+
+    def advance(self) -> None:
+        ready = []
+        with self.lock:
+            while self.frontier < len(self.done) and self.done[self.frontier]:
+                self.frontier += 1
+            written_to = self.starts[self.frontier] if self.frontier < len(self.starts) else 1 << 62
+            while self.next < len(self.reads):
+                r = self.reads[self.next]
+                if r.offset + r.length > written_to or not all(
+                    self.entries[p.entry].blake3[p.block] for p in r.parts
+                ):
+                    break
+                ready.append(r)
+                self.next += 1
+        assert self.pipe is not None
+        for r in ready:
+            self.pipe.urgent(functools.partial(self.check, r))
+
+    def check(self, r: ReadWindow) -> None:
+        w = self.writer
+        check_window(w.storage, w.shard_path, self.handle, r, self.entries)
+
+    def check_all_read(self) -> None:
+        if self.next < len(self.reads):  # every task ended, so every window was ready
+            raise CorruptCheckpoint(
+                f"{self.writer.ctx}: {len(self.reads) - self.next} windows were not read "
+                "back; this is a bug in ckptd, nothing was committed"
+            )
+
+
+class _NoEarlyCheck(Exception):
+    pass
 
 
 def _with_context(e: BaseException, ctx: str) -> BaseException:

@@ -75,6 +75,15 @@ class ReadHandle(abc.ABC):
         it (hash, copy) before reading again. Raises StorageError on a short read.
         """
 
+    def can_read_into(self, out: np.ndarray) -> bool:
+        """Whether read_into(.., out) reads straight into `out` (no copy through a buffer
+        of the handle's); the reader then hashes the bytes where they landed."""
+        return False
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        """Bytes [offset, offset+out.nbytes) into `out` (uint8, C-contiguous)."""
+        out[:] = self.read(offset, out.nbytes)
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

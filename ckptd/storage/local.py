@@ -361,6 +361,35 @@ class LocalReadHandle(ReadHandle):
         except OSError as e:
             raise self._storage.io_error("read", self.path, e, offset=offset) from e
 
+    def can_read_into(self, out: np.ndarray) -> bool:
+        # O_DIRECT needs the memory page-aligned (the tail that is not a whole page goes
+        # through the bounce buffer); a buffered read goes anywhere.
+        return not self.direct or _addr(out) % ALIGN == 0
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        n = out.nbytes
+        body = n - n % ALIGN if self.direct else n
+        if self.direct and (offset % ALIGN or _addr(out) % ALIGN):
+            body = 0  # not aligned: all of it through the bounce buffer
+        done = 0
+        try:
+            while done < body:
+                got = os.preadv(self._fd, [out[done:body]], offset + done)  # type: ignore[list-item]
+                counters.read(max(got, 0))
+                if got <= 0 or (self.direct and got % ALIGN and done + got < body):
+                    raise OSError(
+                        errno.EIO, f"short read at {offset + done}: {got} of {body - done} bytes"
+                    )
+                done += got
+        except OSError as e:
+            if self.direct and e.errno == errno.EINVAL and not done:
+                self._reopen_buffered()
+                self.read_into(offset, out)
+                return
+            raise self._storage.io_error("read", self.path, e, offset=offset + done) from e
+        if n > body:
+            copy_into(out[body:], self.read(offset + body, n - body))
+
     def _reopen_buffered(self) -> None:
         # Accepted at open, refused at read (some FUSE mounts): read through the cache,
         # after dropping it.

@@ -35,7 +35,7 @@ from ckpt._protocol import RankSave
 from ckpt._restore import LoadResult
 from ckpt._results import SaveResult, check_metadata, log_saved
 from ckpt._save_job import SaveJob, SaveOptions
-from ckpt._staging import HostImage
+from ckpt._staging import HostImage, prepare_for
 from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport
 from ckptd.errors import CheckpointNotFound, CkptError, CoordinatorUnavailable, SaveFailed
 from ckptd.faults import crash_point
@@ -482,6 +482,8 @@ class Checkpointer:
             allow_fresh_start=allow_fresh_start,
             strict=strict,
         )
+        # After the load (not competing with it): map the first save's staging image.
+        prepare_for(self._image, state, rank=self.rank, budget=self.options.staging_budget_bytes)
         if step is not None:
             self._last_step = step
         return step

@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import math
+import mmap
 import time
 from collections.abc import Callable, MutableMapping, MutableSequence, Sequence
 from typing import Any
@@ -91,6 +93,19 @@ _NUMPY_DTYPES = frozenset(
 
 def _box(d: _Dest) -> BoxRead:
     return BoxRead(d.key, d.offsets, d.sizes, d.bytes)
+
+
+_ALIGNED_FROM = 1 << 20
+
+
+def _empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A new CPU tensor for a load to fill; from 1 MiB on, in page-aligned memory of its
+    own (an anonymous mmap, freed with the tensor), so an O_DIRECT read lands in it with no
+    bounce copy (ckptd.format.reader)."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < _ALIGNED_FROM:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(tuple(shape))
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
@@ -347,7 +362,7 @@ class Planner:
         if "view" in attrs:
             buf = self._view(key, attrs["view"]["storage"], dtype, shape)
         else:
-            buf = torch.empty(shape, dtype=dtype)
+            buf = _empty(shape, dtype)
             self.dests[key] = _Dest(key, buf, tensor_bytes(buf), (0,) * len(shape), shape)
         made = self.made[key] = self._as_saved(key, buf, attrs)
         return made
@@ -401,7 +416,7 @@ class Planner:
             self._cuda = True
             copy = functools.partial(_copy, target, buf, True)
         else:
-            buf = torch.empty(sizes, dtype=dtype)
+            buf = _empty(sizes, dtype)
             copy = functools.partial(_copy, target, buf)
         self.dests[key] = _Dest(key, buf, tensor_bytes(buf), offsets, sizes)
         # Runs before load_state_dict callbacks (they were appended later).

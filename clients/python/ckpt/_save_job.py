@@ -200,6 +200,7 @@ class SaveJob:
             size=self.size,
             preallocate=self.options.preallocate,
             io_threads=self.options.io_threads,
+            verify=self.options.verify,
         )
 
 

@@ -7,19 +7,31 @@ writes straight from it, with no bounce copy. Copies run on a few threads with t
 released (ctypes memmove). CUDA tensors are copied device-to-host into the same buffer,
 registered as pinned memory, with non_blocking copies on a side stream, synchronised
 before staging returns.
+
+A fresh buffer costs far more than the copy: on the 2-core VM, copying 2 GiB into new
+pages took 2.9 s (a page fault each) against 0.18 s into mapped ones, and mapping them up
+front (MAP_POPULATE) 0.74 s. So the buffer is always mapped populated, and `prepare`
+does it (and the CUDA registration) on a thread of its own as soon as the state's size
+is known before the first save (Checkpointer.resume: a training loop resumes, then
+trains, then saves), so the first save's blocking part is a copy like every later one.
+A load alone (inference) maps nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from ckpt._flatten import Leaf
-from ckptd import iopool
+from ckpt._flatten import Leaf, flatten
+from ckptd import iopool, knobs
+from ckptd.errors import CkptError
 from ckptd.format.writer import WriteItem, plan_offsets
 
 _HUGE = 2 << 20
@@ -33,17 +45,47 @@ class HostImage:
         self._mm: mmap.mmap | None = None
         self._buf: np.ndarray | None = None
         self._pinned = False
+        self._preparing: threading.Thread | None = None
+        self.allocated_on: str | None = None  # the thread that mapped the buffer in use
 
     @property
     def capacity(self) -> int:
         return 0 if self._buf is None else self._buf.nbytes
 
+    def prepare(self, size: int, *, pin: bool = False) -> None:
+        """Map (and fault in, and with `pin` register with CUDA) a buffer of at least
+        `size` bytes on a background thread; the next ensure() waits for it."""
+        self.wait_prepared()
+        if self.capacity >= size and (self._pinned or not pin):
+            return
+
+        def run() -> None:
+            try:  # Linux nice is per thread: yield the cores to training and its I/O
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except (AttributeError, OSError):
+                pass
+            self.ensure(size)
+            if pin:
+                self.pin()
+
+        self._preparing = threading.Thread(target=run, name="ckpt-staging-prepare", daemon=True)
+        self._preparing.start()
+
+    def wait_prepared(self) -> None:
+        t = self._preparing
+        if t is not None and t is not threading.current_thread():
+            t.join()
+            self._preparing = None
+
     def ensure(self, size: int) -> np.ndarray:
+        self.wait_prepared()
         if self._buf is None or self._buf.nbytes < size:
             self.release()
             cap = max(_HUGE, -(-size // _HUGE) * _HUGE)
-            self._mm = mmap.mmap(-1, cap)
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm = mmap.mmap(-1, cap, flags=flags)
             self._buf = np.frombuffer(self._mm, dtype=np.uint8)
+            self.allocated_on = threading.current_thread().name
         assert self._buf is not None
         return self._buf[:size]
 
@@ -55,6 +97,7 @@ class HostImage:
         self._pinned = int(rc) == 0
 
     def release(self) -> None:
+        self.wait_prepared()
         if self._pinned and self._buf is not None:
             torch.cuda.cudart().cudaHostUnregister(self._buf.ctypes.data)
         self._pinned = False
@@ -65,6 +108,32 @@ class HostImage:
             except BufferError:
                 pass  # still referenced by a write in flight; freed when that ends
             self._mm = None
+
+
+def prepare_for(image: HostImage, state: Any, *, rank: int, budget: int | None) -> None:
+    """Map `image` for a later save of `state` in the background (Checkpointer.resume
+    calls it: the state is known there, before the first save)."""
+    try:
+        _node, leaves = flatten(state, rank=rank, keep_device=True)
+    except CkptError:
+        return  # the save itself reports what it cannot save
+    size = image_size(leaves, knobs.get().alignment, budget)
+    if size:
+        image.prepare(size, pin=any(leaf.on_device for leaf in leaves))
+
+
+def image_size(leaves: Sequence[Leaf], alignment: int, budget: int | None) -> int:
+    """The bytes of host image a save of `leaves` stages into (at most `budget`)."""
+    sizes = [leaf.nbytes for leaf in leaves]
+    offsets, size = plan_offsets(sizes, alignment)
+    if budget is None or size <= budget:
+        return size
+    fit = [
+        o + n
+        for o, n in zip(offsets, sizes, strict=True)
+        if -(-(o + n) // alignment) * alignment <= budget
+    ]
+    return -(-max(fit, default=0) // alignment) * alignment
 
 
 def stage(

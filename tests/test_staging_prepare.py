@@ -1,0 +1,43 @@
+"""The first Checkpointer.save stages into a buffer mapped off the training thread:
+resume(state) maps (and faults in) the staging image on a thread of its own, so the first
+save's blocking part is a copy, like a later one's (ckpt._staging.HostImage.prepare)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import ckpt
+from ckpt._staging import HostImage
+
+
+def test_resume_maps_the_staging_image_off_the_callers_thread(job):
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(7)}
+    with ckpt.Checkpointer(job, verify="size") as cp:
+        assert cp.resume(state, allow_fresh_start=True) is None  # a new job
+        image = cp._image
+        image.wait_prepared()
+        assert image.capacity >= state["w"].nbytes + 4096
+        assert image.allocated_on == "ckpt-staging-prepare"
+        cp.save(state, 1).wait()
+        assert image.allocated_on == "ckpt-staging-prepare"  # the first save reused it
+    out = ckpt.load({}, job, step=1).state
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+
+
+def test_without_resume_the_first_save_maps_it_itself(job):
+    state = {"w": torch.randn(1 << 16)}
+    with ckpt.Checkpointer(job, verify="size") as cp:
+        cp.save(state, 1).wait()
+        assert cp._image.allocated_on == threading.current_thread().name
+
+
+def test_prepare_then_ensure_waits_and_reuses():
+    image = HostImage()
+    image.prepare(3 << 20)
+    buf = image.ensure(3 << 20)  # waits for the background mapping
+    assert image.allocated_on == "ckpt-staging-prepare" and buf.nbytes == 3 << 20
+    image.prepare(1 << 20)  # already large enough: nothing new is mapped
+    assert image.ensure(1 << 20).ctypes.data == buf.ctypes.data
+    image.release()
