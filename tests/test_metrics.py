@@ -199,9 +199,9 @@ def test_embedded_coordinator_metrics_during_a_torchrun_job(tmp_path: Path) -> N
         assert p.poll() is None, log.read_text(errors="replace")
         url = f"http://127.0.0.1:{int(port_file.read_text())}/metrics"
         got = wait_for(
-            lambda: (s := scrape(url))
-            and value(s, "ckptd_saves_total", status="committed") == 2
-            and s,
+            lambda: (
+                (s := scrape(url)) and value(s, "ckptd_saves_total", status="committed") == 2 and s
+            ),
             90,
             "two committed saves in the embedded coordinator's metrics",
         )

@@ -21,7 +21,7 @@ import ckpt
 
 def main(job: str, go: str) -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     w = torch.arange(4096, dtype=torch.float32) + rank
     with ckpt.Checkpointer(job) as cp:
         for step in (1, 2):
