@@ -24,6 +24,17 @@ The save, in DCP's call order:
                          holds exactly the planned chunks), AwaitCommit. The manifest,
                          written last by the coordinator, is the commit point.
 
+Several chunks of one key on one rank (a ShardedTensor with several local shards) are
+several entries of that rank's shard, one per box; the coordinator checks that the boxes of
+every key tile it, and the load reshards from them like any other chunks.
+
+A step is never overwritten: a StorageWriter for a step the job has committed is refused
+in prepare_global_plan, before any rank writes (save under a new step; retention with
+keep_last removes old ones). DCP's FileSystemWriter(overwrite=True) has no counterpart.
+
+dcp_to_torch_save / torch_save_to_dcp are DCP's format_utils conversions with a ckptd job
+in place of a DCP directory.
+
 The result is an ordinary ckptd checkpoint (`ckpt.load`, `ckptctl verify/restore`); DCP's
 Metadata is rebuilt from its JSON manifest by StorageReader.read_metadata (see
 _dcp_manifest). The load reads each requested box through ckptd's reader, every block
@@ -51,6 +62,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import StorageReader as _DCPReader
 from torch.distributed.checkpoint import StorageWriter as _DCPWriter
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -61,6 +73,8 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItemType,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -79,7 +93,7 @@ from ckptd.format.manifest import ShardInfo
 from ckptd.format.writer import WriteItem
 from ckptd.storage import JobLocation, open_storage
 
-__all__ = ["StorageReader", "StorageWriter"]
+__all__ = ["StorageReader", "StorageWriter", "dcp_to_torch_save", "torch_save_to_dcp"]
 
 log = logging.getLogger("ckpt")
 
@@ -193,19 +207,12 @@ class StorageWriter(_DCPWriter):
         self.rank = target.rank
         tensors: list[tuple[Any, WriteItem]] = []
         objects: list[tuple[Any, Any, bool]] = []
-        keys: set[str] = set()
         for item in plan.items:
             fqn = item.index.fqn
             key = dm.key_of(dm.path_of(fqn, plan.planner_data))
             if item.type == WriteItemType.BYTE_IO:
                 objects.append((item, *self._plain(planner, item)))
                 continue
-            if key in keys:
-                raise UnsupportedValue(
-                    f"{self._where}: DCP fqn {fqn!r} has two chunks on this rank; ckptd "
-                    "stores one chunk of a tensor per rank (use DTensor placements)"
-                )
-            keys.add(key)
             tensors.append((item, _write_item(planner, item, key, self._where)))
         info, chunks = _commit.write_shard(target, [w for _, w in tensors])
         results = [
@@ -428,3 +435,28 @@ class StorageReader(_DCPReader):
         torch.save(value, out)  # DCP's load_bytes reads it back with torch.load
         out.seek(0)
         return out
+
+
+def dcp_to_torch_save(
+    path: str | os.PathLike[str], torch_save_path: str | os.PathLike[str], step: int | None = None
+) -> None:
+    """DCP's format_utils.dcp_to_torch_save from a ckptd job: step `step` (default the
+    newest committed) loaded whole in this process, every byte verified, then torch.save'd."""
+    sd: dict[str, Any] = {}
+    _load_state_dict(
+        sd,
+        storage_reader=StorageReader(path, step),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
+    torch.save(sd, torch_save_path)
+
+
+def torch_save_to_dcp(
+    torch_save_path: str | os.PathLike[str], path: str | os.PathLike[str], step: int
+) -> None:
+    """DCP's format_utils.torch_save_to_dcp into step `step` of a ckptd job. The file is
+    read with torch.load(weights_only=True): tensors and plain containers, nothing else is
+    unpickled (DCP's own reads it with weights_only=False)."""
+    state_dict = torch.load(torch_save_path, weights_only=True)
+    _save_state_dict(state_dict, storage_writer=StorageWriter(path, step), no_dist=True)
