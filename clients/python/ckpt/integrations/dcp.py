@@ -32,6 +32,13 @@ A step is never overwritten: a StorageWriter for a step the job has committed is
 in prepare_global_plan, before any rank writes (save under a new step; retention with
 keep_last removes old ones). DCP's FileSystemWriter(overwrite=True) has no counterpart.
 
+Falling back to an older step: a StorageReader reads the one step it opened (DCP plans
+against that step's Metadata before any byte is read, so a damaged block found in read_data
+cannot be retried inside dcp.load). `load(state_dict, path)` runs dcp.load under ckpt's load
+policy (ckpt._load, the one every ckpt load uses): the newest committed step in every
+rank's view, and when a rank finds it damaged every rank moves to the next older one
+together, the damaged step quarantined.
+
 dcp_to_torch_save / torch_save_to_dcp are DCP's format_utils conversions with a ckptd job
 in place of a DCP directory.
 
@@ -62,6 +69,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import StorageReader as _DCPReader
 from torch.distributed.checkpoint import StorageWriter as _DCPWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -74,26 +82,29 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckpt import _world
 from ckpt._flatten import readable_in_place, tensor_bytes
+from ckpt._load import load_from_tiers
+from ckpt._restore import LoadResult
 from ckpt._results import check_metadata
 from ckpt.integrations import _commit, _coordinator
 from ckpt.integrations import _dcp_manifest as dm
 from ckpt.integrations._plain import from_node, to_node
 from ckptd.coordinator.planning import ChunkPlan
-from ckptd.errors import CkptError, CorruptCheckpoint, UnsupportedValue
+from ckptd.errors import CkptError, CorruptCheckpoint, PeerReadFailed, UnsupportedValue
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import dtypes, layout
 from ckptd.format.boxes import BoxRead, read_boxes
 from ckptd.format.manifest import ShardInfo
 from ckptd.format.writer import WriteItem
-from ckptd.storage import JobLocation, open_storage
+from ckptd.storage import JobLocation, Storage, open_storage
 
-__all__ = ["StorageReader", "StorageWriter", "dcp_to_torch_save", "torch_save_to_dcp"]
+__all__ = ["StorageReader", "StorageWriter", "dcp_to_torch_save", "load", "torch_save_to_dcp"]
 
 log = logging.getLogger("ckpt")
 
@@ -460,3 +471,79 @@ def torch_save_to_dcp(
     unpickled (DCP's own reads it with weights_only=False)."""
     state_dict = torch.load(torch_save_path, weights_only=True)
     _save_state_dict(state_dict, storage_writer=StorageWriter(path, step), no_dist=True)
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    planner: LoadPlanner | None = None,
+    fallback: bool = True,
+    io_threads: int | None = None,
+) -> int:
+    """dcp.load(state_dict) from the ckptd job at `path` under ckpt's load policy; the step.
+
+    Without `step` (and with fallback), every rank of the process group calls it: the
+    newest committed step in every rank's view is loaded, and when a rank finds it damaged
+    (CorruptCheckpoint: a hash mismatch, a missing shard) it is quarantined and every rank
+    loads the next older one (module docstring). An explicit step is that step or an error.
+    """
+    rank = _world.rank_and_world()[0]
+    job = JobLocation.of(path).path
+
+    def loader(st: Storage, at: int) -> _DCPStep:
+        return _DCPStep(state_dict, job, at, planner, io_threads, rank)
+
+    res = load_from_tiers(
+        [("local", open_storage(job))],
+        state_dict,
+        step=step,
+        fallback=fallback,
+        rank=rank,
+        threads=io_threads,
+        read="each",
+        loader=loader,
+    )
+    return int(res.step)
+
+
+@dataclasses.dataclass
+class _DCPStep:
+    """One step as the load policy tries it: dcp.load through a StorageReader of it."""
+
+    state_dict: dict[str, Any]
+    job: str
+    step: int
+    planner: LoadPlanner | None
+    io_threads: int | None
+    rank: int
+
+    def read(self, reads: Any) -> LoadResult:
+        t0 = time.perf_counter()
+        reader = StorageReader(self.job, self.step, io_threads=self.io_threads)
+        try:
+            _dcp_load(self.state_dict, storage_reader=reader, planner=self.planner)
+        except CheckpointException as e:
+            # DCP gathers every rank's failure into one exception on every rank; the policy
+            # needs this rank's damage as damage, another rank's as a peer's.
+            failures = {r: exc for r, (exc, _) in e.failures.items()}
+            mine = failures.get(self.rank)
+            if isinstance(mine, CorruptCheckpoint):
+                raise mine from None
+            other = next(
+                ((r, f) for r, f in failures.items() if isinstance(f, CorruptCheckpoint)), None
+            )
+            if other is not None:
+                raise PeerReadFailed(
+                    f"job {self.job!r} step {self.step}: rank {other[0]} found it damaged "
+                    f"while DCP loaded it: {other[1]}"
+                ) from None
+            raise
+        return LoadResult(
+            step=self.step,
+            path=f"{self.job}/{layout.step_dir(self.step)}",
+            bytes=0,  # DCP's reads are not counted here
+            seconds=time.perf_counter() - t0,
+            metadata=reader._ck.manifest.metadata if reader._ck is not None else {},
+        )
