@@ -7,7 +7,8 @@ rank, loaded with another shard plan (and back); rowwise to colwise; bytes and i
 values; DTensors resharded across 1-D and 2-D meshes; async_save with the thread and the
 process executor; partial loads (a state dict with fewer keys, DCP's load by keys,
 _EmptyStateDictLoadPlanner with and without keys); dcp_to_torch_save / torch_save_to_dcp;
-and a committed step that a second save must not overwrite.
+a committed step that a second save must not overwrite; and dcp.save(use_collectives=False),
+each rank committing its own part through ckptd's coordinator.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from coordinator_fixtures import TESTS, child_env
 from ckpt.integrations.dcp import StorageReader  # noqa: F401 - the integration imports
 
 SCENARIOS = [
+    "no_collectives",
     "tensors_only",
     "sharded_threads_1",
     "sharded_threads_2",

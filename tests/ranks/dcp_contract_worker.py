@@ -283,7 +283,38 @@ def overwrite_refused(ctx: dict) -> dict:
     return {"refused": "already committed" in refused, "kept": torch.equal(got["x"], torch.ones(2))}
 
 
+def no_collectives(ctx: dict) -> dict:
+    """dcp.save(use_collectives=False): each rank plans alone and commits its own part
+    through ckptd's coordinator; replicas that every rank planned are written once."""
+    job, mesh, world = ctx["job"], ctx["mesh1"], ctx["world"]
+    out: dict = {}
+    for step in (1, 2):
+        state = {
+            "d": distribute_tensor(GLOBAL * step, mesh, [Shard(0)]),
+            "rep": torch.full((6,), float(step)),
+            "n": step,
+        }
+        dcp.save(state, storage_writer=StorageWriter(job, step), use_collectives=False)
+        got = {"d": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]),
+               "rep": torch.zeros(6), "n": 0}  # fmt: skip
+        dcp.load(got, storage_reader=StorageReader(job, step))
+        out[f"step{step}"] = (
+            torch.equal(full_of(got["d"]), GLOBAL * step)
+            and torch.equal(got["rep"], torch.full((6,), float(step)))
+            and got["n"] == step
+        )
+    sdir = os.path.join(job, "step-000000000002")
+    m = json.load(open(os.path.join(sdir, "MANIFEST.json")))
+    reps = 0
+    for sh in m["shards"]:
+        idx = json.load(open(os.path.join(sdir, sh["index"])))
+        reps += sum(e["key"] == "rep" for e in idx["entries"])
+    out["replica_written_once"] = reps == 1 and m["world_size"] == world
+    return out
+
+
 SCENARIOS = {
+    "no_collectives": no_collectives,
     "tensors_only": tensors_only,
     "sharded_threads_1": sharded(1),
     "sharded_threads_2": sharded(2),

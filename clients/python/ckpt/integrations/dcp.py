@@ -24,6 +24,9 @@ The save, in DCP's call order:
                          holds exactly the planned chunks), AwaitCommit. The manifest,
                          written last by the coordinator, is the commit point.
 
+dcp.save(use_collectives=False): every rank commits its own part through the coordinator
+(_dcp_alone); replicas every rank planned are written once, by the rank it assigns.
+
 Several chunks of one key on one rank (a ShardedTensor with several local shards) are
 several entries of that rank's shard, one per box; the coordinator checks that the boxes of
 every key tile it, and the load reshards from them like any other chunks.
@@ -93,6 +96,7 @@ from ckpt._load import load_from_tiers
 from ckpt._restore import LoadResult
 from ckpt._results import check_metadata
 from ckpt.integrations import _commit, _coordinator
+from ckpt.integrations import _dcp_alone as _alone
 from ckpt.integrations import _dcp_manifest as dm
 from ckpt.integrations._plain import from_node, to_node
 from ckptd.coordinator.planning import ChunkPlan
@@ -162,8 +166,10 @@ class StorageWriter(_DCPWriter):
         self.coordinator, self.token, self.attempt = coordinator, token, attempt
         self.timeout_s, self.io_threads = timeout_s, io_threads
         self.rank = 0
+        self.alone = False  # dcp.save(use_collectives=False): each rank commits its part
         self._target: _commit.Target | None = None
         self._conn: _coordinator.Connection | None = None
+        self._alone: _alone.RankPart | None = None
 
     @property
     def _where(self) -> str:
@@ -178,11 +184,7 @@ class StorageWriter(_DCPWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.rank = int(kwargs.get("rank", _world.rank_and_world()[0]))
-        if kwargs.get("use_collectives", True) is False:
-            raise ValueError(
-                f"{self._where}: ckptd's DCP writer commits once every rank's results are "
-                "gathered; call dcp.save without use_collectives=False"
-            )
+        self.alone = kwargs.get("use_collectives", True) is False
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"{self.path}/{layout.step_dir(self.step)}")
@@ -196,6 +198,9 @@ class StorageWriter(_DCPWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Open the job, refuse a committed step, give every rank its shard (coordinator rank)."""
+        if self.alone:  # every rank, with its own plan only
+            self._alone = _alone.RankPart.open(self)
+            return [dataclasses.replace(plans[0], storage_data=self._alone.target)]
         conn = self._conn = _coordinator.connect(
             self.path, address=self.coordinator, token=self.token, attempt=self.attempt
         )
@@ -225,6 +230,13 @@ class StorageWriter(_DCPWriter):
                 objects.append((item, *self._plain(planner, item)))
                 continue
             tensors.append((item, _write_item(planner, item, key, self._where)))
+        if self._alone is not None:
+            version = getattr(getattr(planner, "metadata", None), "version", None)
+            self._alone.write(plan.planner_data, tensors, objects, version)
+            fut0: Future[list[WriteResult]] = Future()
+            fut0.set_result([WriteResult(index=it.index, size_in_bytes=w.data.nbytes,
+                                         storage_data=None) for it, w in tensors])  # fmt: skip
+            return fut0
         info, chunks = _commit.write_shard(target, [w for _, w in tensors])
         results = [
             WriteResult(
@@ -263,6 +275,9 @@ class StorageWriter(_DCPWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit through ckptd's coordinator (DCP's coordinator rank, after every write)."""
+        if self._alone is not None:
+            self._alone.finish()
+            return
         target = self._target
         if target is None:
             raise CkptError(f"{self._where}: finish() before prepare_global_plan()")
