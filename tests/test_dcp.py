@@ -331,3 +331,38 @@ def test_import_ckpt_imports_no_integration() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.filterwarnings(NO_DIST)
+def test_dcp_load_falls_back_to_an_older_step_through_the_load_policy(
+    tmp_path: Path, tally
+) -> None:
+    """ckpt.integrations.dcp.load: the newest step is damaged (a flipped byte in a shard),
+    so it is quarantined and the step before it is loaded, whole; a StorageReader of the
+    damaged step alone still fails, and an explicit step does not fall back."""
+    from ckpt.integrations.dcp import load
+
+    job = tmp_path / "run"
+    for step in (1, 2):
+        sd = {"w": torch.full((4096,), float(step)), "n": step}
+        dcp.save(sd, storage_writer=StorageWriter(job, step=step), no_dist=True)
+    shard = step_dir(job, 2) / "shards" / "rank-00000.bin"
+    index = json.loads((step_dir(job, 2) / "shards" / "rank-00000.json").read_text())
+    entry = next(e for e in index["entries"] if e["key"] == "w")
+    data = bytearray(shard.read_bytes())
+    data[entry["offset"] + 100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    tally.fault("dcp load of a step with a flipped shard byte falls back to the older step")
+    from ckptd.errors import HashMismatch
+
+    with pytest.raises(HashMismatch, match="rank-00000.bin: key 'w'"):  # unwrapped from DCP's
+        load({"w": torch.zeros(4096), "n": 0}, job, step=2)  # CheckpointException
+    assert not (step_dir(job, 2) / "QUARANTINED.json").exists()  # an explicit step marks nothing
+    got = {"w": torch.zeros(4096), "n": 0}
+    assert load(got, job) == 1
+    assert torch.equal(got["w"], torch.full((4096,), 1.0)) and got["n"] == 1
+    assert (step_dir(job, 2) / "QUARANTINED.json").exists()
+    # the quarantined step is skipped from now on; the reader's newest is step 1
+    again = {"w": torch.zeros(4096), "n": 0}
+    dcp.load(again, storage_reader=StorageReader(job), no_dist=True)
+    assert again["n"] == 1

@@ -353,3 +353,36 @@ def test_export_refuses_keys_one_name_would_hold(tmp_path, ckptctl, tally):
     out = tmp_path / "meta.pt"
     assert ckptctl("restore", job, "--to", out, "--format", "torch", "--keys", "_*")[0] == 0
     assert list(torch.load(out, weights_only=True)) == ["__metadata__"]
+
+
+def test_zarr_without_the_export_extra_names_it(saved, tmp_path):
+    """An installed ckptd without tensorstore: the real console script, in a process whose
+    imports of tensorstore fail (a meta-path blocker installed by sitecustomize), says which
+    extra to install and leaves no output behind."""
+    from coordinator_fixtures import child_env, ckptctl_proc
+
+    job, _ = saved
+    blocker = tmp_path / "no_tensorstore"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'tensorstore' or name.startswith('tensorstore.'):\n"
+        "            raise ModuleNotFoundError(f\"No module named '{name}'\", name=name)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, _Block())\n"
+    )
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(blocker), env["PYTHONPATH"]])
+    out = tmp_path / "model.zarr"
+    rc, o, e = ckptctl_proc("restore", job, "--to", out, "--format", "zarr", env=env)
+    assert rc != 0, o
+    assert "pip install 'ckptd[export]'" in e and "tensorstore" in e, e
+    assert "Traceback" not in e, e
+    assert not out.exists() and not list(tmp_path.glob("model.zarr*")), list(tmp_path.iterdir())
+    # the blocker is what makes it fail: the same environment can still export safetensors
+    rc, o, e = ckptctl_proc(
+        "restore", job, "--to", tmp_path / "m.safetensors", "--format", "safetensors", env=env
+    )
+    assert rc == 0, e

@@ -85,3 +85,13 @@ def test_save_and_resume_an_accelerator_through_ckptd(tmp_path: Path) -> None:
     assert torch.equal(torch.rand(3), after_save)  # RNG restored
     m = json.loads((job / "step-000000000003" / "MANIFEST.json").read_text())
     assert m["metadata"] == {"by": "accelerate"}
+
+
+def test_load_state_before_prepare_is_refused_not_a_silent_fresh_start(
+    tmp_path: Path, tally
+) -> None:
+    acc, *_ = prepared(0)
+    save_state(acc, tmp_path / "job", step=4)
+    tally.bad_input("hf.load_state on an Accelerator with nothing prepared")
+    with pytest.raises(ValueError, match=r"after accelerator\.prepare"):
+        load_state(accelerate.Accelerator(cpu=True), tmp_path / "job")

@@ -247,6 +247,17 @@ def test_duplicate_key_in_index(job, saved):
     expect_rejected(job, ckpt.InvalidManifest)
 
 
+def test_one_box_of_a_key_twice_in_an_index(job, saved):
+    """A shard may hold several chunks of one key (DCP: several local shards), each box once."""
+
+    def dup(d: dict) -> None:
+        for field in ("key", "dtype", "shape", "chunk_offsets", "chunk_sizes", "length"):
+            d["entries"][1][field] = d["entries"][0][field]
+
+    edit_index(job, 1, dup)
+    assert "appears twice in one shard" in expect_rejected(job, ckpt.InvalidManifest)
+
+
 def test_too_many_entries(job, saved):
     with knobs.override(max_entries_per_shard=2):
         msg = expect_rejected(job, ckpt.InvalidManifest)

@@ -174,3 +174,49 @@ def test_save_result_timings_and_log(tmp_path: Path, caplog: pytest.LogCaptureFi
     debug = [m.getMessage() for m in caplog.records if m.levelno == logging.DEBUG]
     assert any("planned" in m and "barrier" in m for m in debug), debug
     assert any("written" in m and "verify" in m for m in debug), debug
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_embedded_coordinator_metrics_during_a_torchrun_job(tmp_path: Path) -> None:
+    """CKPTD_METRICS_PORT=0: the zero-config coordinator of a 2-rank torchrun job (hosted by
+    rank 0) serves the same metrics as `ckptd serve`, scraped while the job runs."""
+    import subprocess
+    import sys
+
+    from coordinator_fixtures import REPO, child_env, wait_for
+
+    job, go, port_file = tmp_path / "job", tmp_path / "go", tmp_path / "metrics-port"
+    log = tmp_path / "torchrun.log"
+    env = child_env(CKPTD_METRICS_PORT="0", CKPTD_METRICS_PORT_FILE=str(port_file))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "--max-restarts", "0", str(REPO / "tests" / "ranks" / "metrics_worker.py"),
+           str(job), str(go)]  # fmt: skip
+    with open(log, "wb") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        wait_for(lambda: port_file.exists() or p.poll() is not None, 90, "the metrics port file")
+        assert p.poll() is None, log.read_text(errors="replace")
+        url = f"http://127.0.0.1:{int(port_file.read_text())}/metrics"
+        got = wait_for(
+            lambda: (
+                (s := scrape(url)) and value(s, "ckptd_saves_total", status="committed") == 2 and s
+            ),
+            90,
+            "two committed saves in the embedded coordinator's metrics",
+        )
+        # both ranks' shards of both saves, the ranks' own timings, nothing open
+        assert value(got, "ckptd_save_phase_seconds_count", phase="write") == 4
+        assert value(got, "ckptd_save_phase_seconds_count", phase="commit") == 2
+        assert value(got, "ckptd_saves_total", status="aborted") == 0
+        assert value(got, "ckptd_open_sessions") == 0
+        shards = [f for s in (1, 2) for f in (job / f"step-{s:012d}" / "shards").glob("*.bin")]
+        assert len(shards) == 4
+        assert value(got, "ckptd_committed_bytes_total") == sum(f.stat().st_size for f in shards)
+        go.write_text("")
+        assert p.wait(timeout=90) == 0, log.read_text(errors="replace")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert (job / "step-000000000003" / "MANIFEST.json").exists()

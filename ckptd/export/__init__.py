@@ -191,6 +191,8 @@ def export_checkpoint(
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt == "zarr":
+        zarr_export.tensorstore()  # a missing extra is said before anything is read
     t0 = time.perf_counter()
     out = os.path.abspath(out)
     if os.path.lexists(out) and not overwrite:

@@ -86,14 +86,34 @@ def chunking(shape: Sequence[int], itemsize: int) -> tuple[list[int], list[int]]
     return outer, inner
 
 
+INSTALL_HINT = "pip install 'ckptd[export]'"
+
+
+class MissingExtra(CkptError):
+    """An optional extra that a command needs is not installed."""
+
+
+def tensorstore() -> Any:
+    """The tensorstore module, or an error that names the extra to install.
+
+    Imported when a zarr export is asked for, not with ckptd: it belongs to the optional
+    `export` extra, and an installed wheel without it must say so, not die on an import."""
+    try:
+        import tensorstore as ts  # the optional `export` extra (docstring)
+    except ImportError as e:
+        raise MissingExtra(
+            f"ckptctl restore --format zarr needs tensorstore, which is not installed ({e}); "
+            f"install the export extra: {INSTALL_HINT}"
+        ) from None
+    return ts
+
+
 def storage_dtype(dtype: str, keep_bfloat16: bool) -> tuple[str, Any, str]:
     """(zarr data_type name, numpy dtype to write, encoding) for a ckptd dtype."""
     if dtype in CORE_TYPES:
         return dtype, np.dtype(dtype), "native"
     if dtype == "bfloat16" and keep_bfloat16:
-        import tensorstore as ts  # the optional `export` extra: imported when used
-
-        return "bfloat16", ts.bfloat16.numpy_dtype, "native"
+        return "bfloat16", tensorstore().bfloat16.numpy_dtype, "native"
     bits = 8 * dtypes.itemsize(dtype)
     return f"uint{bits}", np.dtype(f"uint{bits}"), "raw-bits"
 
@@ -108,8 +128,7 @@ def _write_group(path: str, attributes: dict[str, Any]) -> None:
 def write_zarr(
     reader: Reader, tensors: Sequence[Tensor], out: str, *, keep_bfloat16: bool = False
 ) -> None:
-    import tensorstore as ts  # the optional `export` extra: imported when used
-
+    ts = tensorstore()
     _write_group(out, {"ckptd": header_metadata(reader.ck)})
     groups: set[tuple[str, ...]] = {()}
     arrays: set[tuple[str, ...]] = set()

@@ -345,12 +345,19 @@ def parse_index(
         )
     block = manifest.block_size
     entries = []
-    keys: set[str] = set()
+    # A shard may hold several chunks of one key (a DCP rank with several local shards of
+    # a tensor), each once: whether a key's boxes tile its shape is the coordinator's
+    # check at save time (planning) and the reader's at load time (boxes.plan_box).
+    boxes: set[tuple[str, tuple[int, ...]]] = set()
     for i, e in enumerate(entries_doc):
         entry = _parse_entry(e, i, block, manifest.alignment, shard, what)
-        if entry.key in keys:
-            raise InvalidManifest(f"{what}: key {entry.key!r} appears twice in one shard")
-        keys.add(entry.key)
+        box = (entry.key, tuple(entry.chunk_offsets))
+        if box in boxes:
+            raise InvalidManifest(
+                f"{what}: key {entry.key!r} chunk at {list(entry.chunk_offsets)} appears "
+                "twice in one shard"
+            )
+        boxes.add(box)
         entries.append(entry)
     # Non-overlapping, in bounds.
     end = 0

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -33,6 +34,9 @@ from ckptd.server.client import CoordinatorClient
 from ckptd.server.node import NodeAggregator
 
 log = logging.getLogger("ckpt")
+
+_opens_lock = threading.Lock()
+_opens: dict[str, int] = {}  # connect() calls for each job in this process
 
 
 @dataclasses.dataclass
@@ -84,9 +88,15 @@ def connect(
         None if _world.rank0_names_attempt(attempt) else _world.attempt_id(attempt, world_size)
     )
     embedded: EmbeddedCoordinator | None = None
+    # The store keys of this open: a later Checkpointer of the job in this launch (a
+    # second trainer.train()) must not be handed the closed one's coordinator or node
+    # aggregator. Every rank opens a job's Checkpointers in the same order (its rank 0
+    # hosts each), so the n-th open names the same keys on every rank.
+    with _opens_lock:
+        opened = _opens[path] = _opens.get(path, 0) + 1
     if address is None:
         address, token, attempt, embedded = _zero_config(
-            path, rank, world_size, attempt, lease_s, barrier_timeout_s
+            path, opened, rank, world_size, attempt, lease_s, barrier_timeout_s
         )
     elif attempt is None:
         attempt = _shared_attempt(path, rank, world_size)
@@ -111,7 +121,7 @@ def connect(
         raise
     conn = Connection(client, address, attempt, generation, job_name, embedded)
     try:
-        _join_node(conn, path, rank, world_size, token)
+        _join_node(conn, path, opened, rank, world_size, token)
     except BaseException:
         conn.close()
         raise
@@ -138,14 +148,16 @@ def node_of(rank: int, world_size: int) -> tuple[str, list[int]] | None:
     return f"{socket.gethostname()}/node{group}", ranks
 
 
-def _join_node(conn: Connection, path: str, rank: int, world_size: int, token: str | None) -> None:
+def _join_node(
+    conn: Connection, path: str, opened: int, rank: int, world_size: int, token: str | None
+) -> None:
     """Host (local rank 0) or find this node's aggregator, through the process group's store."""
     node = node_of(rank, world_size)
     store = _world.dist_store() if node is not None else None
     if node is None or store is None:
         return
     name, ranks = node
-    key = f"ckptd/node/{path}/{conn.attempt}/{name}"
+    key = f"ckptd/node/{path}/{conn.attempt}/{opened}/{name}"
     if rank == ranks[0]:
         agg = conn.aggregator = _hosted(
             store, key, lambda: NodeAggregator(conn.client, name, ranks, token=token)
@@ -177,6 +189,7 @@ def _join_node(conn: Connection, path: str, rank: int, world_size: int, token: s
 
 def _zero_config(
     path: str,
+    opened: int,
     rank: int,
     world_size: int,
     attempt: str | None,
@@ -189,7 +202,7 @@ def _zero_config(
     store = _world.dist_store()
     # torchrun keeps its store across restarts: a key without the attempt would hand the
     # restarted ranks the address of the previous attempt's (dead) coordinator.
-    key = f"ckptd/coordinator/{path}" + (f"/{attempt}" if attempt else "")
+    key = f"ckptd/coordinator/{path}" + (f"/{attempt}" if attempt else "") + f"/{opened}"
     if store is None:
         raise CkptError(
             f"job {path!r} rank {rank} of {world_size}: no coordinator address and no "

@@ -17,6 +17,12 @@ NFS/Lustre, and cannot live in a bucket). It is the job's alone, and can always 
 rebuilt from storage: from the job's own directory, never its neighbours' (the coordinator
 is rooted at the job's parent, which names the job, but scoped to the job).
 
+Metrics: with $CKPTD_METRICS_PORT set (0 picks a free port), the hosting process serves
+the coordinator's Prometheus metrics at http://HOST:PORT/metrics, the same registry and
+endpoint as `ckptd serve --metrics-port` (ckptd.server.metrics), bound to the coordinator's
+own host unless $CKPTD_METRICS_HOST says otherwise; $CKPTD_METRICS_PORT_FILE receives the
+port once serving (for port 0). A torchrun job is observable without a service.
+
 One coordinator per job and host: each holds its catalog's `CatalogLock` for its life, so
 a second process opening the job gets `JobInUse` (the kernel drops the lock of a killed
 process). Within one process, every `EmbeddedCoordinator(job)` is a handle on one shared
@@ -39,7 +45,9 @@ from typing import Any
 
 from ckptd.coordinator.catalog import Catalog, CatalogLock
 from ckptd.coordinator.core import Coordinator
+from ckptd.errors import CkptError
 from ckptd.server import ServerOptions, create_server
+from ckptd.server.metrics import Metrics, MetricsServer
 from ckptd.storage import open_storage
 from ckptd.storage.location import JobLocation
 
@@ -82,8 +90,10 @@ class _Hosted:
         self._thread.start()
         self._server: Any = None
         self.core: Coordinator | None = None
+        self.metrics: MetricsServer | None = None
         try:
             self.port = self._run(self._start(catalog_path, host, lease_s, barrier_timeout_s))
+            self.metrics = _serve_metrics(self.core, host, location.path)
         except BaseException:
             self.close()
             raise
@@ -125,6 +135,9 @@ class _Hosted:
     def close(self) -> None:
         if self._loop.is_closed():
             return
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         try:
             self._run(self._stop(), timeout=30)
         finally:
@@ -165,6 +178,8 @@ class EmbeddedCoordinator:
         self.root = self.location.parent
         self.token, self.port, self.address = hosted.token, hosted.port, hosted.address
         self.core = hosted.core
+        # http://HOST:PORT/metrics with $CKPTD_METRICS_PORT set, else None
+        self.metrics_url = hosted.metrics.url if hosted.metrics is not None else None
 
     def close(self) -> None:
         # Stopped under the lock: a handle opened meanwhile must not start a second
@@ -177,6 +192,39 @@ class EmbeddedCoordinator:
             if hosted.users == 0:
                 del _hosted[self.job_path]
                 hosted.close()
+
+
+def _serve_metrics(core: Coordinator | None, host: str, job: str) -> MetricsServer | None:
+    """The metrics endpoint $CKPTD_METRICS_PORT asks for (module docstring), or None."""
+    raw = os.environ.get("CKPTD_METRICS_PORT", "")
+    if raw == "" or core is None:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port < 65536:
+        raise ValueError(
+            f"environment variable CKPTD_METRICS_PORT={raw!r} is not a port (0-65535; 0 "
+            "picks a free one)"
+        )
+    metrics_host = os.environ.get("CKPTD_METRICS_HOST") or host
+    try:
+        server = MetricsServer(Metrics().attach(core), metrics_host, port)
+    except OSError as e:
+        raise CkptError(
+            f"job {job}: the embedded coordinator cannot serve metrics on "
+            f"{metrics_host}:{port} (CKPTD_METRICS_PORT): {e}; pick another port (0 picks a "
+            "free one, with CKPTD_METRICS_PORT_FILE to learn it) or unset it"
+        ) from None
+    port_file = os.environ.get("CKPTD_METRICS_PORT_FILE")
+    if port_file:
+        tmp = f"{port_file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(server.port))
+        os.replace(tmp, port_file)  # a reader never sees half a port number
+    log.info("job %s: the embedded coordinator serves metrics at %s", job, server.url)
+    return server
 
 
 def _reachable_host() -> str:

@@ -184,6 +184,7 @@ def load_from_tiers(
     on_quarantine: Callable[[str, int, str], None] | None = None,
     catalog_blake3: Callable[[int], str | None] | None = None,
     read: str = "auto",
+    loader: Callable[[Storage, int], Any] | None = None,
 ) -> LoadResult:
     """Load `step` (default: the live line's head) into `state` from the nearest tier that
     holds a copy that verifies; the policy is the module docstring's.
@@ -196,11 +197,17 @@ def load_from_tiers(
     read: "auto" (shared when the load chooses its step under a process group), "shared"
     (every rank of the process group must call this, also with an explicit step) or
     "each" (every rank reads what it needs from storage itself).
+    loader(storage, step): in place of ckpt's own planner, an integration that plans and
+    reads a step itself (DCP's load): it returns an object whose read(reads) loads the step
+    and gives its LoadResult, raising CorruptCheckpoint for damage; `state`, `strict`,
+    `keys` and `cast` are then its business. Only with read="each".
     """
     if not tiers:
         raise ValueError("load_from_tiers needs at least one (name, Storage) tier")
     if read not in READ_MODES:
         raise ValueError(f"read must be one of {', '.join(READ_MODES)}, got {read!r}")
+    if loader is not None and read != "each":
+        raise ValueError("a loader reads the step itself: pass read='each'")
     t0 = time.perf_counter()
     choose = step is None and fallback
     # An explicit step is asked of every tier: nothing to list.
@@ -236,6 +243,8 @@ def load_from_tiers(
     peers = _shared.Peers.current() if read == "shared" or (read == "auto" and choose) else None
 
     def prepare(st: Storage, s: int) -> PreparedStep:
+        if loader is not None:
+            return loader(st, s)
         return prepare_step(
             st,
             state,

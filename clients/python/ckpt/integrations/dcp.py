@@ -24,6 +24,27 @@ The save, in DCP's call order:
                          holds exactly the planned chunks), AwaitCommit. The manifest,
                          written last by the coordinator, is the commit point.
 
+dcp.save(use_collectives=False): every rank commits its own part through the coordinator
+(_dcp_alone); replicas every rank planned are written once, by the rank it assigns.
+
+Several chunks of one key on one rank (a ShardedTensor with several local shards) are
+several entries of that rank's shard, one per box; the coordinator checks that the boxes of
+every key tile it, and the load reshards from them like any other chunks.
+
+A step is never overwritten: a StorageWriter for a step the job has committed is refused
+in prepare_global_plan, before any rank writes (save under a new step; retention with
+keep_last removes old ones). DCP's FileSystemWriter(overwrite=True) has no counterpart.
+
+Falling back to an older step: a StorageReader reads the one step it opened (DCP plans
+against that step's Metadata before any byte is read, so a damaged block found in read_data
+cannot be retried inside dcp.load). `load(state_dict, path)` runs dcp.load under ckpt's load
+policy (ckpt._load, the one every ckpt load uses): the newest committed step in every
+rank's view, and when a rank finds it damaged every rank moves to the next older one
+together, the damaged step quarantined.
+
+dcp_to_torch_save / torch_save_to_dcp are DCP's format_utils conversions with a ckptd job
+in place of a DCP directory.
+
 The result is an ordinary ckptd checkpoint (`ckpt.load`, `ckptctl verify/restore`); DCP's
 Metadata is rebuilt from its JSON manifest by StorageReader.read_metadata (see
 _dcp_manifest). The load reads each requested box through ckptd's reader, every block
@@ -51,6 +72,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import StorageReader as _DCPReader
 from torch.distributed.checkpoint import StorageWriter as _DCPWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -61,25 +84,31 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItemType,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
+from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckpt import _world
 from ckpt._flatten import readable_in_place, tensor_bytes
+from ckpt._load import load_from_tiers
+from ckpt._restore import LoadResult
 from ckpt._results import check_metadata
 from ckpt.integrations import _commit, _coordinator
+from ckpt.integrations import _dcp_alone as _alone
 from ckpt.integrations import _dcp_manifest as dm
 from ckpt.integrations._plain import from_node, to_node
 from ckptd.coordinator.planning import ChunkPlan
-from ckptd.errors import CkptError, CorruptCheckpoint, UnsupportedValue
+from ckptd.errors import CkptError, CorruptCheckpoint, PeerReadFailed, UnsupportedValue
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import dtypes, layout
 from ckptd.format.boxes import BoxRead, read_boxes
 from ckptd.format.manifest import ShardInfo
 from ckptd.format.writer import WriteItem
-from ckptd.storage import JobLocation, open_storage
+from ckptd.storage import JobLocation, Storage, open_storage
 
-__all__ = ["StorageReader", "StorageWriter"]
+__all__ = ["StorageReader", "StorageWriter", "dcp_to_torch_save", "load", "torch_save_to_dcp"]
 
 log = logging.getLogger("ckpt")
 
@@ -137,8 +166,10 @@ class StorageWriter(_DCPWriter):
         self.coordinator, self.token, self.attempt = coordinator, token, attempt
         self.timeout_s, self.io_threads = timeout_s, io_threads
         self.rank = 0
+        self.alone = False  # dcp.save(use_collectives=False): each rank commits its part
         self._target: _commit.Target | None = None
         self._conn: _coordinator.Connection | None = None
+        self._alone: _alone.RankPart | None = None
 
     @property
     def _where(self) -> str:
@@ -153,11 +184,7 @@ class StorageWriter(_DCPWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.rank = int(kwargs.get("rank", _world.rank_and_world()[0]))
-        if kwargs.get("use_collectives", True) is False:
-            raise ValueError(
-                f"{self._where}: ckptd's DCP writer commits once every rank's results are "
-                "gathered; call dcp.save without use_collectives=False"
-            )
+        self.alone = kwargs.get("use_collectives", True) is False
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"{self.path}/{layout.step_dir(self.step)}")
@@ -171,6 +198,9 @@ class StorageWriter(_DCPWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Open the job, refuse a committed step, give every rank its shard (coordinator rank)."""
+        if self.alone:  # every rank, with its own plan only
+            self._alone = _alone.RankPart.open(self)
+            return [dataclasses.replace(plans[0], storage_data=self._alone.target)]
         conn = self._conn = _coordinator.connect(
             self.path, address=self.coordinator, token=self.token, attempt=self.attempt
         )
@@ -193,20 +223,20 @@ class StorageWriter(_DCPWriter):
         self.rank = target.rank
         tensors: list[tuple[Any, WriteItem]] = []
         objects: list[tuple[Any, Any, bool]] = []
-        keys: set[str] = set()
         for item in plan.items:
             fqn = item.index.fqn
             key = dm.key_of(dm.path_of(fqn, plan.planner_data))
             if item.type == WriteItemType.BYTE_IO:
                 objects.append((item, *self._plain(planner, item)))
                 continue
-            if key in keys:
-                raise UnsupportedValue(
-                    f"{self._where}: DCP fqn {fqn!r} has two chunks on this rank; ckptd "
-                    "stores one chunk of a tensor per rank (use DTensor placements)"
-                )
-            keys.add(key)
             tensors.append((item, _write_item(planner, item, key, self._where)))
+        if self._alone is not None:
+            version = getattr(getattr(planner, "metadata", None), "version", None)
+            self._alone.write(plan.planner_data, tensors, objects, version)
+            fut0: Future[list[WriteResult]] = Future()
+            fut0.set_result([WriteResult(index=it.index, size_in_bytes=w.data.nbytes,
+                                         storage_data=None) for it, w in tensors])  # fmt: skip
+            return fut0
         info, chunks = _commit.write_shard(target, [w for _, w in tensors])
         results = [
             WriteResult(
@@ -245,6 +275,9 @@ class StorageWriter(_DCPWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit through ckptd's coordinator (DCP's coordinator rank, after every write)."""
+        if self._alone is not None:
+            self._alone.finish()
+            return
         target = self._target
         if target is None:
             raise CkptError(f"{self._where}: finish() before prepare_global_plan()")
@@ -428,3 +461,104 @@ class StorageReader(_DCPReader):
         torch.save(value, out)  # DCP's load_bytes reads it back with torch.load
         out.seek(0)
         return out
+
+
+def dcp_to_torch_save(
+    path: str | os.PathLike[str], torch_save_path: str | os.PathLike[str], step: int | None = None
+) -> None:
+    """DCP's format_utils.dcp_to_torch_save from a ckptd job: step `step` (default the
+    newest committed) loaded whole in this process, every byte verified, then torch.save'd."""
+    sd: dict[str, Any] = {}
+    _load_state_dict(
+        sd,
+        storage_reader=StorageReader(path, step),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
+    torch.save(sd, torch_save_path)
+
+
+def torch_save_to_dcp(
+    torch_save_path: str | os.PathLike[str], path: str | os.PathLike[str], step: int
+) -> None:
+    """DCP's format_utils.torch_save_to_dcp into step `step` of a ckptd job. The file is
+    read with torch.load(weights_only=True): tensors and plain containers, nothing else is
+    unpickled (DCP's own reads it with weights_only=False)."""
+    state_dict = torch.load(torch_save_path, weights_only=True)
+    _save_state_dict(state_dict, storage_writer=StorageWriter(path, step), no_dist=True)
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    planner: LoadPlanner | None = None,
+    fallback: bool = True,
+    io_threads: int | None = None,
+) -> int:
+    """dcp.load(state_dict) from the ckptd job at `path` under ckpt's load policy; the step.
+
+    Without `step` (and with fallback), every rank of the process group calls it: the
+    newest committed step in every rank's view is loaded, and when a rank finds it damaged
+    (CorruptCheckpoint: a hash mismatch, a missing shard) it is quarantined and every rank
+    loads the next older one (module docstring). An explicit step is that step or an error.
+    """
+    rank = _world.rank_and_world()[0]
+    job = JobLocation.of(path).path
+
+    def loader(st: Storage, at: int) -> _DCPStep:
+        return _DCPStep(state_dict, job, at, planner, io_threads, rank)
+
+    res = load_from_tiers(
+        [("local", open_storage(job))],
+        state_dict,
+        step=step,
+        fallback=fallback,
+        rank=rank,
+        threads=io_threads,
+        read="each",
+        loader=loader,
+    )
+    return int(res.step)
+
+
+@dataclasses.dataclass
+class _DCPStep:
+    """One step as the load policy tries it: dcp.load through a StorageReader of it."""
+
+    state_dict: dict[str, Any]
+    job: str
+    step: int
+    planner: LoadPlanner | None
+    io_threads: int | None
+    rank: int
+
+    def read(self, reads: Any) -> LoadResult:
+        t0 = time.perf_counter()
+        reader = StorageReader(self.job, self.step, io_threads=self.io_threads)
+        try:
+            _dcp_load(self.state_dict, storage_reader=reader, planner=self.planner)
+        except CheckpointException as e:
+            # DCP gathers every rank's failure into one exception on every rank; the policy
+            # needs this rank's damage as damage, another rank's as a peer's.
+            failures = {r: exc for r, (exc, _) in e.failures.items()}
+            mine = failures.get(self.rank)
+            if isinstance(mine, CorruptCheckpoint):
+                raise mine from None
+            other = next(
+                ((r, f) for r, f in failures.items() if isinstance(f, CorruptCheckpoint)), None
+            )
+            if other is not None:
+                raise PeerReadFailed(
+                    f"job {self.job!r} step {self.step}: rank {other[0]} found it damaged "
+                    f"while DCP loaded it: {other[1]}"
+                ) from None
+            raise
+        return LoadResult(
+            step=self.step,
+            path=f"{self.job}/{layout.step_dir(self.step)}",
+            bytes=0,  # DCP's reads are not counted here
+            seconds=time.perf_counter() - t0,
+            metadata=reader._ck.manifest.metadata if reader._ck is not None else {},
+        )

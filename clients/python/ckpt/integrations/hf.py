@@ -19,8 +19,10 @@ optimizer, scheduler, sampler and RNG states with torch.save (pickle) whatever t
 does.
 
 Every process calls save_state / load_state (under torch.distributed they coordinate
-through ckptd's coordinator, as ckpt.save and ckpt.load do). A transformers Trainer works
-the same way from a TrainerCallback's on_save, with the Trainer's accelerator.
+through ckptd's coordinator, as ckpt.save and ckpt.load do). load_state before
+accelerator.prepare is refused (there is nothing to restore into). A transformers Trainer
+is ckpt.integrations.hf_trainer's: its LR scheduler and its own state are not the
+accelerator's.
 """
 
 from __future__ import annotations
@@ -80,6 +82,13 @@ def load_state(
     extra: a dict filled in place with what save_state's extra held.
     """
     loc = JobLocation.of(path)
+    if not (accelerator._models or accelerator._optimizers or accelerator._custom_objects):
+        # Nothing to restore into: a step "loaded" here would be a silent fresh start.
+        raise ValueError(
+            f"load_state({str(path)!r}): the Accelerator has no prepared model, optimizer or "
+            "registered object yet; call it after accelerator.prepare(...) (with a "
+            "transformers Trainer, use ckpt.integrations.hf_trainer.CkptdTrainer)"
+        )
     if step is None and (loc.is_url or os.path.isdir(loc.path)):
         if not ckfmt.list_steps(open_storage(loc)):
             return None
