@@ -20,23 +20,32 @@ a killed one, may have changed the store since).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
 import threading
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import fsspec
 import numpy as np
+from fsspec.asyn import sync
 
 from ckptd import knobs
 from ckptd.errors import CheckpointExists, InvalidManifest, ShardMissing, StorageError
-from ckptd.storage import counters
-from ckptd.storage.base import ReadHandle, Storage, WriteHandle
+from ckptd.storage import counters, retry
+from ckptd.storage.base import PendingUpload, ReadHandle, Storage, WriteHandle
 from ckptd.storage.object_writes import MultipartWriteHandle, SequentialWriteHandle, part_size
 from ckptd.storage.paths import check_relative
 
 
 class FsspecReadHandle(ReadHandle):
+    """Ranged GETs. On a store with an event loop (s3fs, gcsfs, adlfs) a read is cut into
+    GETs of `store_get_size`, at most `store_get_concurrency` in flight, each one
+    time-bounded and retried (ckptd.storage.retry), into one buffer of the read's size:
+    a rank holds (reads in flight) x the read window, whatever the shard's size."""
+
     def __init__(self, storage: FsspecStorage, path: str):
         self.path = path
         self._storage = storage
@@ -44,19 +53,58 @@ class FsspecReadHandle(ReadHandle):
         self.size = storage.size(path)
 
     def read(self, offset: int, length: int) -> np.ndarray:
+        st = self._storage
         try:
-            data = self._storage.fs.cat_file(self._full, start=offset, end=offset + length)
-        except OSError as e:
+            if st.fs.async_impl:
+                data: bytes | bytearray = sync(st.fs.loop, self._read_ranges, offset, length)
+            else:
+                data = retry.call_blocking(
+                    f"read of {st.url}/{self.path}",
+                    partial(st.fs.cat_file, self._full, start=offset, end=offset + length),
+                )
+                counters.read(len(data))
+        except (OSError, TimeoutError) as e:
             raise StorageError(
-                f"read of {self._storage.url}/{self.path} at offset {offset} failed: {e}"
+                f"read of {st.url}/{self.path} at offset {offset} failed: {type(e).__name__}: {e}"
             ) from e
-        counters.read(len(data))
         if len(data) != length:
             raise StorageError(
-                f"short read of {self._storage.url}/{self.path} at offset {offset}: "
+                f"short read of {st.url}/{self.path} at offset {offset}: "
                 f"{len(data)} of {length} bytes"
             )
         return np.frombuffer(data, dtype=np.uint8)
+
+    async def _read_ranges(self, offset: int, length: int) -> bytearray:
+        k = knobs.get()
+        step = max(1, k.store_get_size)
+        out = bytearray(length)
+        view = memoryview(out)
+        gate = asyncio.Semaphore(max(1, k.store_get_concurrency))
+        fs, url = self._storage.fs, self._storage.url
+
+        async def get(lo: int) -> None:
+            hi = min(offset + length, lo + step)
+            async with gate:
+                got = await retry.call(
+                    f"GET bytes {lo}-{hi} of {url}/{self.path}",
+                    partial(fs._cat_file, self._full, start=lo, end=hi),
+                )
+            counters.read(len(got))
+            if len(got) != hi - lo:
+                raise StorageError(
+                    f"short read of {url}/{self.path} at offset {lo}: {len(got)} of {hi - lo} bytes"
+                )
+            view[lo - offset : hi - offset] = got
+
+        tasks = [asyncio.ensure_future(get(lo)) for lo in range(offset, offset + length, step)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return out
 
     def close(self) -> None:
         pass
@@ -66,8 +114,10 @@ class FsspecReadHandle(ReadHandle):
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 # fsspec's own local filesystem: its paths are real files.
 LOCAL_PROTOCOLS = frozenset({"file", "local"})
-# Stores whose pipe_file(mode="create") is an atomic create-if-absent.
-NATIVE_CREATE_ONLY = frozenset({"s3", "s3a", "memory"})
+# Stores whose pipe_file(mode="create") is an atomic create-if-absent: S3 If-None-Match: *,
+# GCS ifGenerationMatch=0, Azure Blob If-None-Match: * (adlfs overwrite=False), memory's
+# in-process check.
+NATIVE_CREATE_ONLY = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
 
 
 class FsspecStorage(Storage):
@@ -100,21 +150,42 @@ class FsspecStorage(Storage):
         return {"chunksize": part_size(size, k), "max_concurrency": k.upload_concurrency}
 
     def upload(self, path: str, data: bytes | bytearray, *, create_only: bool = False) -> None:
-        """One object from memory: a PUT, or a multipart upload when large (s3fs)."""
+        """One object from memory: a PUT, or a multipart upload when large (s3fs); each
+        attempt time-bounded, transient failures retried (ckptd.storage.retry)."""
         full = self.full(path)
         mode = "create" if create_only else "overwrite"
+        what = f"upload of {self.url}/{path}"
+        tries = retry.Tries()
+        opts = self._upload_options(len(data))
         try:
-            self.fs.pipe_file(full, data, mode=mode, **self._upload_options(len(data)))
+            if self.fs.async_impl:
+                put = partial(self.fs._pipe_file, full, data, mode=mode, **opts)
+                sync(self.fs.loop, retry.call, what, put, None, tries)
+            else:
+                retry.call_blocking(
+                    what, partial(self.fs.pipe_file, full, data, mode=mode, **opts), None, tries
+                )
         except FileExistsError:
+            # A retried create whose first attempt landed (its answer lost) finds its own
+            # bytes: that is this write, not another writer's.
+            if tries.n > 1 and self._holds(full, data):
+                return
             raise CheckpointExists(
                 f"{self.url}/{path} already exists and is never replaced: another writer "
                 "committed this step first; save under a new step, or remove it (ckptctl gc)"
             ) from None
-        except OSError as e:
+        except (OSError, TimeoutError) as e:
             raise StorageError(
-                f"upload of {self.url}/{path} ({len(data)} bytes) failed: {e}; the step is not "
-                "committed; check the store's credentials, endpoint and free space, then retry"
+                f"upload of {self.url}/{path} ({len(data)} bytes) failed: "
+                f"{type(e).__name__}: {e}; the step is not committed; check the store's "
+                "credentials, endpoint and free space, then retry"
             ) from e
+
+    def _holds(self, full: str, data: bytes | bytearray) -> bool:
+        try:
+            return bool(self.fs.cat_file(full) == data)
+        except OSError:
+            return False
 
     def put_files(self, pairs: list[tuple[str, str]]) -> None:
         """Bulk upload of local files [(local path, relative path)], concurrently (fsspec `put`)."""
@@ -176,13 +247,14 @@ class FsspecStorage(Storage):
     def create_only(
         self, path: str, data: bytes, *, before_publish: Callable[[], None] | None = None
     ) -> None:
-        if self.native_create_only:  # S3: If-None-Match: *; memory: open(mode="xb")
+        if self.native_create_only:  # the store's own conditional write (NATIVE_CREATE_ONLY)
             if before_publish is not None:
                 before_publish()  # one PUT: nothing is staged before it
             self.upload(path, data, create_only=True)
             counters.wrote_small(len(data))
             return
-        # Others (gs://...): check, then write (racy).
+        # Others (file://, ...): check, then write, racy between two writers; such a store
+        # says so (atomic_create_only is False) and is never called create-only.
         super().create_only(path, data, before_publish=before_publish)
 
     def read_bytes(self, path: str, *, limit: int) -> bytes:
@@ -221,6 +293,53 @@ class FsspecStorage(Storage):
         full = self.full(path)
         if self.fs.exists(full):
             self.fs.rm(full, recursive=True)
+        # A multipart upload under the tree (a killed rank's, an abort that failed) is
+        # part of it: the debris of an unfinished save, billed until aborted.
+        for u in self.pending_uploads(path):
+            self.abort_upload(u)
+
+    # -- multipart uploads left behind -----------------------------------------------
+    def pending_uploads(self, path: str = "") -> list[PendingUpload]:
+        if self.protocol not in ("s3", "s3a"):
+            return []  # see Storage.pending_uploads: no parts billed outside an object
+        bucket, key, _ = self.fs.split_path(self.full(path))
+        prefix = key.rstrip("/")
+        out: list[PendingUpload] = []
+        kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        while True:
+            try:
+                page = self.fs.call_s3("list_multipart_uploads", **kw)
+            except OSError as e:
+                raise StorageError(
+                    f"listing the unfinished multipart uploads under {self.url}/{path} failed: {e}"
+                ) from e
+            for u in page.get("Uploads", []):
+                k = str(u["Key"])
+                if prefix and k != prefix and not k.startswith(prefix + "/"):
+                    continue  # rank-1.bin is not under rank-1.bin.x
+                rel = k[len(self.fs.split_path(self.root)[1].rstrip("/")) :].lstrip("/")
+                out.append(PendingUpload(rel, str(u["UploadId"]), str(u.get("Initiated", ""))))
+            if not page.get("IsTruncated"):
+                return sorted(out)
+            kw["KeyMarker"] = page.get("NextKeyMarker", "")
+            kw["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        bucket, key, _ = self.fs.split_path(self.full(upload.path))
+        what = f"abort of the multipart upload of {self.url}/{upload.path}"
+        call = partial(
+            self.fs._call_s3,
+            "abort_multipart_upload",
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload.upload_id,
+        )
+        try:
+            sync(self.fs.loop, retry.call, what, call)
+        except FileNotFoundError:
+            pass  # aborted or completed meanwhile: nothing left to bill
+        except (OSError, TimeoutError) as e:
+            raise StorageError(f"{what} failed: {e}; run `ckptctl gc` again") from e
 
     def rename(self, src: str, dst: str) -> None:
         self.fs.mv(self.full(src), self.full(dst), recursive=True)
@@ -229,6 +348,10 @@ class FsspecStorage(Storage):
     @property
     def supports_reuse(self) -> bool:
         return False  # a shard is a new upload: there are no blocks to reuse
+
+    @property
+    def atomic_create_only(self) -> bool:
+        return self.native_create_only
 
     def local_path(self, path: str) -> str | None:
         full = self.full(path)  # confined like every other path
