@@ -126,6 +126,13 @@ class FsspecStorage(Storage):
         if protocol in OBJECT_STORES:
             # Another process (or a killed one) changes the store behind our back.
             storage_options.setdefault("use_listings_cache", False)
+        if protocol in ("s3", "s3a"):
+            # One retry policy (ckptd.storage.retry), not botocore's underneath it: its
+            # backoff would outlast an attempt's time bound and hide the cause (a 503
+            # would read as a timeout). s3fs's own quick loop on SlowDown stays.
+            storage_options.setdefault(
+                "config_kwargs", {"retries": {"mode": "standard", "total_max_attempts": 1}}
+            )
         try:
             fsspec.get_filesystem_class(protocol)
         except (ValueError, ImportError) as e:
@@ -155,20 +162,17 @@ class FsspecStorage(Storage):
         full = self.full(path)
         mode = "create" if create_only else "overwrite"
         what = f"upload of {self.url}/{path}"
-        tries = retry.Tries()
         opts = self._upload_options(len(data))
         try:
             if self.fs.async_impl:
                 put = partial(self.fs._pipe_file, full, data, mode=mode, **opts)
-                sync(self.fs.loop, retry.call, what, put, None, tries)
+                sync(self.fs.loop, retry.call, what, put)
             else:
-                retry.call_blocking(
-                    what, partial(self.fs.pipe_file, full, data, mode=mode, **opts), None, tries
-                )
+                retry.call_blocking(what, partial(self.fs.pipe_file, full, data, mode=mode, **opts))
         except FileExistsError:
-            # A retried create whose first attempt landed (its answer lost) finds its own
-            # bytes: that is this write, not another writer's.
-            if tries.n > 1 and self._holds(full, data):
+            # A create retried (here or in the client library) after its first attempt
+            # landed and the answer was lost finds its own bytes: that is this write.
+            if create_only and self._holds(full, data):
                 return
             raise CheckpointExists(
                 f"{self.url}/{path} already exists and is never replaced: another writer "
@@ -177,7 +181,7 @@ class FsspecStorage(Storage):
         except (OSError, TimeoutError) as e:
             raise StorageError(
                 f"upload of {self.url}/{path} ({len(data)} bytes) failed: "
-                f"{type(e).__name__}: {e}; the step is not committed; check the store's "
+                f"{retry.describe(e)}; the step is not committed; check the store's "
                 "credentials, endpoint and free space, then retry"
             ) from e
 
@@ -284,10 +288,19 @@ class FsspecStorage(Storage):
     def listdir(self, path: str) -> list[str]:
         full = self.full(path)
         try:
-            names = self.fs.ls(full, detail=False, refresh=True)
+            names = {
+                posixpath.basename(str(n).rstrip("/"))
+                for n in self.fs.ls(full, detail=False, refresh=True)
+            }
         except FileNotFoundError:
-            return []
-        return sorted(posixpath.basename(str(n).rstrip("/")) for n in names)
+            names = set()
+        # An unfinished multipart upload is an entry too: a killed rank's shard is no
+        # object, and its step must still be listed for retention and gc to remove it.
+        base = f"{path.rstrip('/')}/" if path else ""
+        for u in self.pending_uploads(path):
+            if u.path.startswith(base) and len(u.path) > len(base):
+                names.add(u.path[len(base) :].split("/", 1)[0])
+        return sorted(names)
 
     def remove_tree(self, path: str) -> None:
         full = self.full(path)

@@ -263,27 +263,26 @@ class MultipartWriteHandle(WriteHandle):
         n = len(buf)
         fut.add_done_callback(lambda f: self._sent(p, n, f))
 
-    def _call(self, method: str, tries: retry.Tries | None = None, **kw: Any) -> Any:
+    def _call(self, method: str, **kw: Any) -> Any:
         """One multipart-upload request from this thread, under the retry policy."""
         what = f"{method} of {self._url}/{self.path}"
         call = partial(self._fs._call_s3, method, **kw)
-        return sync(self._fs.loop, retry.call, what, call, None, tries)
+        return sync(self._fs.loop, retry.call, what, call)
 
     def _complete(self, parts: list[dict[str, Any]]) -> None:
-        tries = retry.Tries()
         try:
             self._call(
                 "complete_multipart_upload",
-                tries,
                 Bucket=self._bucket,
                 Key=self._key,
                 UploadId=self._upload_id,
                 MultipartUpload={"Parts": parts},
             )
         except (OSError, TimeoutError) as e:
-            # A retried complete whose first attempt landed finds no upload: the object
-            # is there whole when it has the shard's size (S3 creates it atomically).
-            if tries.n > 1 and self._exists_whole():
+            # A complete retried after its first attempt landed (the answer lost) finds
+            # no upload: the object is there whole when it has the shard's size (S3
+            # creates it atomically; the key is this save's generation's alone).
+            if isinstance(e, FileNotFoundError) and self._exists_whole():
                 return
             raise self._failure(f"completing the upload failed: {e}") from e
 
@@ -326,7 +325,7 @@ class MultipartWriteHandle(WriteHandle):
             elif (e := f.exception()) is not None:
                 if self._error is None:
                     lo, hi = self._range(p)
-                    err = self._failure(f"part {p + 1} (bytes {lo}-{hi}): {type(e).__name__}: {e}")
+                    err = self._failure(f"part {p + 1} (bytes {lo}-{hi}): {retry.describe(e)}")
                     err.__cause__ = e
                     self._error = err
             else:

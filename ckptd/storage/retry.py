@@ -151,12 +151,15 @@ def transient(e: BaseException) -> bool:
     return False
 
 
-class Tries:
-    """How many attempts a `call` made (a caller that must tell its own earlier, lost
-    success from another writer's, e.g. a create-only PUT, reads it)."""
-
-    def __init__(self) -> None:
-        self.n = 0
+def describe(e: BaseException) -> str:
+    """The failure in words, with the store's error code and HTTP status where the chain
+    holds them (s3fs's OSError keeps only the message): `SlowDown (HTTP 503): ...`."""
+    code = status = None
+    for x in _chain(e):
+        code = code or _code(x)
+        status = status or _status(x)
+    tag = " ".join(t for t in (code, f"(HTTP {status})" if status else None) if t is not None)
+    return f"{type(e).__name__}: {tag + ': ' if tag else ''}{e}"
 
 
 def _delay(p: Policy, attempt: int) -> float:
@@ -165,14 +168,13 @@ def _delay(p: Policy, attempt: int) -> float:
 
 
 def _give_up(what: str, p: Policy, n: int, e: BaseException) -> None:
-    log.warning("%s: attempt %d of %d failed: %s: %s", what, n, p.attempts, type(e).__name__, e)
+    log.warning("%s: attempt %d of %d failed: %s", what, n, p.attempts, describe(e))
 
 
 async def call(
     what: str,
     fn: Callable[[], Awaitable[T]],
     p: Policy | None = None,
-    tries: Tries | None = None,
 ) -> T:
     """Await `fn()` under the policy: each attempt time-bounded, transient failures retried.
 
@@ -180,8 +182,6 @@ async def call(
     """
     p = p or policy()
     for n in range(1, p.attempts + 1):
-        if tries is not None:
-            tries.n = n
         try:
             return await asyncio.wait_for(fn(), p.timeout_s)
         except asyncio.TimeoutError:
@@ -203,14 +203,11 @@ def call_blocking(
     what: str,
     fn: Callable[[], T],
     p: Policy | None = None,
-    tries: Tries | None = None,
 ) -> T:
     """`call` for a store without an event loop (memory://, local fsspec): transient
     failures retried with backoff; there is no attempt to cut off, the call is local."""
     p = p or policy()
     for n in range(1, p.attempts + 1):
-        if tries is not None:
-            tries.n = n
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - classified; the final one is raised

@@ -1,0 +1,156 @@
+# ruff: noqa: F811 - pytest fixtures imported from s3_server are used as parameters
+"""Faults between the client and the store: a fault proxy in front of the moto server.
+
+Every save either commits whole or aborts with an error naming the rank, the object and
+the cause within its time bound (ckptd.storage.retry), and the checkpoint before it
+always loads; an aborted save leaves no multipart upload behind. Throttling (`SlowDown`),
+503s, connections reset mid-body, stalls without a byte and answers lost after the
+store acted are each tried on the parts of a shard, the manifest PUT and the ranged GETs
+of a load.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+from fault_proxy import FaultProxy
+from s3_server import s3_bucket, s3_server  # noqa: F401 - fixtures
+
+import ckpt
+from ckptd import knobs
+from ckptd.errors import CkptError
+from ckptd.format import checkpoint as ckfmt
+from ckptd.format import layout
+from ckptd.storage import open_storage
+from ckptd.storage import retry as store_retry
+
+PART = 5 << 20
+# Short bounds so that a fault that never clears ends a save in seconds, not minutes.
+BOUNDS = dict(
+    store_request_timeout_s=3.0,
+    store_attempts=3,
+    store_backoff_s=0.05,
+    store_backoff_max_s=0.2,
+    upload_part_size=PART,
+    upload_concurrency=2,
+    store_get_size=1 << 20,
+)
+
+
+@pytest.fixture
+def proxy(s3_server, monkeypatch) -> Iterator[FaultProxy]:
+    s3fs = pytest.importorskip("s3fs")
+    up = urlsplit(s3_server.endpoint)
+    p = FaultProxy(str(up.hostname), int(up.port or 80)).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", p.endpoint)
+    s3fs.S3FileSystem.clear_instance_cache()  # a cached client still has moto's address
+    try:
+        with knobs.override(**BOUNDS):
+            yield p
+    finally:
+        p.stop()
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def big_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn((4 * PART) // 4, generator=g), "b": torch.arange(10) + seed}
+
+
+def save_bounded(state, url: str, step: int) -> tuple[BaseException | None, float]:
+    """ckpt.save in a thread; (its error, seconds). A save that hangs fails the test."""
+    out: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            ckpt.save(state, url, step=step)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out[0] = e
+
+    bound = 4 * store_retry.policy().bound_s + 120  # the parts', the commit's, slack
+    t0 = time.monotonic()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound)
+    assert not t.is_alive(), f"the save of step {step} did not end within {bound:.0f} s"
+    return out[0], time.monotonic() - t0
+
+
+def committed(url: str) -> list[int]:
+    return [s.step for s in ckfmt.list_steps(open_storage(url)) if s.status == ckfmt.COMMITTED]
+
+
+def assert_loads(url: str, step: int) -> None:
+    lr = ckpt.load({}, url, step=step)
+    want = big_state(step)
+    assert torch.equal(lr.state["w"], want["w"]) and torch.equal(lr.state["b"], want["b"])
+
+
+@pytest.mark.parametrize("fault", ["slowdown", "503", "reset", "stall", "lost"])
+def test_a_passing_fault_on_parts_still_commits_whole(proxy, s3_bucket, fault, tally):
+    url = f"s3://{s3_bucket}/job"
+    ckpt.save(big_state(1), url, step=1)
+    rule = proxy.inject("upload_part", fault, times=2)
+    with tally.fault(f"object store: {fault} on 2 parts of a shard"):
+        err, _ = save_bounded(big_state(2), url, 2)
+        assert err is None, err
+    assert rule.hits == 2
+    assert committed(url) == [1, 2]
+    assert_loads(url, 2)
+    assert open_storage(url).pending_uploads() == []
+
+
+@pytest.mark.parametrize("fault", ["slowdown", "503", "reset", "stall"])
+def test_a_part_that_keeps_failing_aborts_the_save_naming_rank_object_cause(
+    proxy, s3_bucket, fault, tally
+):
+    url = f"s3://{s3_bucket}/job"
+    ckpt.save(big_state(1), url, step=1)
+    proxy.inject("upload_part", fault, times=-1)
+    with tally.fault(f"object store: {fault} on every part of a shard"):
+        err, _ = save_bounded(big_state(2), url, 2)
+        assert isinstance(err, CkptError), err
+    msg = str(err)
+    assert "rank 0" in msg and "rank-00000" in msg and layout.step_dir(2) in msg, msg
+    cause = {
+        "slowdown": "SlowDown",
+        "503": "ServiceUnavailable",
+        "reset": "Connection",  # reset by peer / disconnected, in the library's words
+        "stall": "no answer within 3 s",
+    }[fault]
+    assert cause.lower() in msg.lower(), msg
+    proxy.clear()
+    proxy.release_stalls()
+    assert committed(url) == [1]
+    assert_loads(url, 1)
+    assert open_storage(url).pending_uploads() == []  # aborted, not left to bill
+
+
+@pytest.mark.parametrize("fault", ["slowdown", "reset", "stall", "lost"])
+def test_manifest_put_faults(proxy, s3_bucket, fault, tally):
+    # "lost": the manifest landed but its answer did not; the retry finds its own bytes
+    # (If-None-Match refuses it) and must call that a commit, not another writer's.
+    url = f"s3://{s3_bucket}/job"
+    rule = proxy.inject("put", fault, times=1, key=layout.MANIFEST_NAME)
+    with tally.fault(f"object store: {fault} on the manifest PUT"):
+        err, _ = save_bounded(big_state(1), url, 1)
+        assert err is None, err
+    assert rule.hits == 1
+    assert committed(url) == [1]
+    assert_loads(url, 1)
+
+
+@pytest.mark.parametrize("fault", ["slowdown", "503", "reset", "stall"])
+def test_ranged_get_faults_during_a_load(proxy, s3_bucket, fault, tally):
+    url = f"s3://{s3_bucket}/job"
+    ckpt.save(big_state(1), url, step=1)
+    rule = proxy.inject("get", fault, times=3)
+    with tally.fault(f"object store: {fault} on 3 ranged GETs of a load"):
+        assert_loads(url, 1)
+    assert rule.hits == 3
