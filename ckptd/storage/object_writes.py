@@ -466,7 +466,9 @@ class SequentialWriteHandle(WriteHandle):
         if isinstance(f, AbstractBufferedFile):  # an object store's file (gcsfs, adlfs, ...)
             try:
                 f.discard()  # cancels its pending upload
-            except OSError:
+            except Exception:  # noqa: BLE001 - a client's own error (gcsfs HttpError)
+                # An unfinished upload is no object either way; a store that cannot
+                # cancel it (an emulator's 501) lets it expire.
                 pass
             f.closed = True  # never closed: its __del__ would commit what it holds
         elif f is not None:
