@@ -154,3 +154,54 @@ def test_ranged_get_faults_during_a_load(proxy, s3_bucket, fault, tally):
     with tally.fault(f"object store: {fault} on 3 ranged GETs of a load"):
         assert_loads(url, 1)
     assert rule.hits == 3
+
+
+@pytest.mark.multiprocess
+def test_one_ranks_failing_upload_aborts_the_save_for_every_rank(
+    proxy, s3_bucket, tmp_path, monkeypatch, tally
+):
+    # marin#9213: a SlowDown on one rank stranded the others at a barrier. Here rank 1's
+    # parts keep failing; rank 0 hears of it from the coordinator and both go on.
+    import json
+    import multiprocessing as mp
+
+    from coordinator_fixtures import free_port
+    from ranks import store_fault_worker
+
+    for k, v in BOUNDS.items():
+        monkeypatch.setenv(f"CKPT_{k.upper()}", str(v))
+    monkeypatch.setenv("CKPTD_CATALOG_DIR", str(tmp_path / "catalogs"))
+    url = f"s3://{s3_bucket}/job"
+    proxy.inject("upload_part", "slowdown", times=-1, key=f"{layout.step_dir(2)}/shards/rank-00001")
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=store_fault_worker.spawn_entry, args=(r, 2, port, url, str(out)))
+        for r in range(2)
+    ]
+    with tally.fault("object store: SlowDown on every part of one rank's shard (2 ranks)"):
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(300)
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:
+            p.kill()
+        logs = "\n".join(
+            f"--- rank {r}\n{(out / f'rank{r}.log').read_text(errors='replace')[-3000:]}"
+            for r in range(2)
+        )
+        assert not hung, f"ranks hung:\n{logs}"
+        res = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        assert all(r.get("error") is None for r in res), logs
+    r0, r1 = res
+    assert r1["step2"].startswith("StorageError") and "rank 1" in r1["step2"], r1
+    assert "rank-00001" in r1["step2"] and "SlowDown" in r1["step2"], r1
+    # Rank 0 wrote its shard; the coordinator's abort names rank 1 and its cause.
+    assert r0["step2"].startswith("SaveAborted") and "rank 1" in r0["step2"], r0
+    assert "SlowDown" in r0["step2"], r0
+    assert [(r["resumed"], r["exact"]) for r in res] == [(1, True), (1, True)]
+    assert committed(url) == [1]
+    assert open_storage(url).pending_uploads() == []
