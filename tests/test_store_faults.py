@@ -205,3 +205,23 @@ def test_one_ranks_failing_upload_aborts_the_save_for_every_rank(
     assert [(r["resumed"], r["exact"]) for r in res] == [(1, True), (1, True)]
     assert committed(url) == [1]
     assert open_storage(url).pending_uploads() == []
+
+
+@pytest.mark.parametrize("fault", ["503", "stall"])
+def test_a_step_whose_gets_keep_failing_falls_back_to_the_one_before(
+    proxy, s3_bucket, fault, tally
+):
+    # An unreadable copy is skipped, not quarantined (the fault may pass): the load takes
+    # the step before it, within the GETs' bound, and step 2 is still there afterwards.
+    url = f"s3://{s3_bucket}/job"
+    ckpt.save(big_state(1), url, step=1)
+    ckpt.save(big_state(2), url, step=2)
+    proxy.inject("get", fault, times=-1, key=f"{layout.step_dir(2)}/shards/")
+    with tally.fault(f"object store: {fault} on every ranged GET of the newest step"):
+        lr = ckpt.load({}, url)
+    assert lr.step == 1
+    assert torch.equal(lr.state["w"], big_state(1)["w"])
+    proxy.clear()
+    proxy.release_stalls()
+    assert committed(url) == [1, 2]
+    assert_loads(url, 2)
