@@ -139,7 +139,8 @@ _UPLOADER = textwrap.dedent(
 
 
 @pytest.mark.multiprocess
-def test_kill_during_multipart_upload(s3_server, s3_bucket, tmp_path, ckptctl):
+@pytest.mark.parametrize("next_step", [3, 2])  # a later step, or the killed one again
+def test_kill_during_multipart_upload(s3_server, s3_bucket, tmp_path, ckptctl, next_step):
     url = f"s3://{s3_bucket}/job"
     script = tmp_path / "uploader.py"
     script.write_text(_UPLOADER)
@@ -191,12 +192,14 @@ def test_kill_during_multipart_upload(s3_server, s3_bucket, tmp_path, ckptctl):
     rc, out, _ = ckptctl("gc", url)
     assert rc == 0 and f"kept unfinished upload {layout.step_dir(2)}/shards/" in out, out
     assert [u.path for u in st.pending_uploads()] == [lingering.removeprefix("job/")]
-    # ... and the next save's commit makes the step debris below the live line's newest
-    # step, which its retention removes with the upload: nothing is left to bill.
-    ckpt.save({"w": torch.ones(10)}, url, step=3)
+    # ... and the next save removes it: a later step's commit makes step 2 debris below
+    # the live line's newest step, which its retention removes with the upload; a save of
+    # step 2 again first aborts the killed attempt (the coordinator's recovery removes
+    # its files). Nothing is left to bill.
+    ckpt.save({"w": torch.ones(10)}, url, step=next_step)
     assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
     assert ckptctl("gc", url)[1] == "nothing to remove\n"
-    assert ckpt.load({}, url).step == 3
+    assert ckpt.load({}, url).step == next_step
 
 
 def test_gc_aborts_uploads_that_belong_to_nothing(s3_server, s3_bucket, ckptctl):
