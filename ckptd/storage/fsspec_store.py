@@ -3,15 +3,18 @@
 Object stores have no positional writes, so a shard streams up while it is written
 (ckptd.storage.object_writes): on S3 a multipart upload whose parts go as they fill,
 completed at `finish()`; elsewhere an in-order `fs.open(..., "wb")` file. Neither holds
-the whole shard. Reads are ranged GETs (`cat_file(start, end)`); whole committed steps
-are copied up with the bulk `put` (ckptd.format.mirror).
+the whole shard. Reads are ranged GETs, a window's several in flight; every request that
+moves a shard's bytes is time-bounded and retried (ckptd.storage.retry). Whole committed
+steps are copied up with the bulk `put` (ckptd.format.mirror).
 
 An object PUT (and a completed multipart upload) is atomic: readers see the whole object
 or none, so `write_atomic` is one PUT there; on other fsspec filesystems it is
-write-to-temporary then move. The manifest is written last with `create_only`: S3's
-`If-None-Match: *` (s3fs `mode="create"`) refuses to replace an existing manifest
-atomically; memory:// does the same in-process; other stores (gs://, ...) fall back to
-an exists check, then the write (racy between two writers; see docs/tiers.md).
+write-to-temporary then move. The manifest is written last with `create_only`, the store's own
+conditional write (`mode="create"`): S3 `If-None-Match: *`, GCS `ifGenerationMatch=0`,
+Azure `If-None-Match: *`; memory:// does the same in-process; other stores fall back to
+an exists check, then the write (racy between two writers; `atomic_create_only` says
+which; see docs/tiers.md). On S3 an unfinished multipart upload is part of its tree:
+listed by `listdir` and `pending_uploads`, aborted by `remove_tree`.
 
 Object stores have no empty directories: `makedirs` creates nothing there, and a prefix
 exists only while an object lies under it. Listings are not cached (another process, or

@@ -13,7 +13,10 @@ yet:
   `finish()` completes the upload, and only then does the object exist; `abort()` or any
   failure cancels what is in flight and aborts the upload, so neither a partial object
   nor pending parts are left. A file of one part or less is one PUT at `finish()`.
-  Held: (parts in flight + parts partly filled) x the part size.
+  Held: (parts in flight + parts partly filled) x the part size. Every request (create,
+  each UploadPart, complete, abort) is time-bounded and retried on transient failures
+  (ckptd.storage.retry); a part that still fails fails the shard, naming the part and
+  the cause.
 - `SequentialWriteHandle` (memory://, gs://, file://, ...): windows that arrive ahead of
   the next byte to send wait in memory; the contiguous run from there is written in order
   to `fs.open(target, "wb")`, which uploads in blocks. The target is a temporary renamed
