@@ -151,6 +151,7 @@ __all__ = [
     "Unauthenticated",
     "CoordinatorUnavailable",
     "JobInUse",
+    "MirrorIncomplete",
     "SaveFailed",
     "SaveAborted",
     "StaleGeneration",
