@@ -69,6 +69,7 @@ def child(url: str, size_mib: int) -> None:
     t = time.perf_counter()
     ckpt.save(state, url, step=1, verify="size")
     dt = time.perf_counter() - t
+    peak_kib = _status_kib("VmHWM")  # the save's peak, before the load and the floors
     wrote = counters.snapshot() - c0
     c1 = counters.snapshot()
     t = time.perf_counter()
@@ -83,7 +84,7 @@ def child(url: str, size_mib: int) -> None:
         "get_seconds": get_s,
         "raw_bytes": raw_n,
         "before_mib": before_rss / 1024,
-        "peak_mib": _status_kib("VmHWM") / 1024,
+        "peak_mib": peak_kib / 1024,
         "hwm_reset": reset,
         "seconds": dt,
         "written_bytes": wrote.written_bytes,

@@ -86,8 +86,11 @@ class Knobs:
     store_backoff_s: float = 0.5
     store_backoff_max_s: float = 10.0
     # Object-store reads: a read window is fetched as ranged GETs of this size, at most
-    # `store_get_concurrency` in flight per window (read windows x this per rank).
-    store_get_size: int = 8 << 20
+    # `store_get_concurrency` in flight per window (read windows x this per rank). The
+    # default is one GET per window (`io_threads` windows in flight): on moto, the only
+    # store measured here, a ranged GET costs the whole object, so more, smaller GETs
+    # timed out under load (bench/README.md, s3_save_rss.py).
+    store_get_size: int = 32 << 20
     store_get_concurrency: int = 8
     # Loads under a process group: each stored byte is read by one rank and sent to the
     # ranks that need it (ckpt._shared_read), in windows of at most this many bytes in

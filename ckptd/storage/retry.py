@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
 import random
 import socket
@@ -77,6 +78,12 @@ _TRANSIENT_TYPES = frozenset(
 )
 # Never retried, whatever their cause says.
 _FINAL = (FileNotFoundError, FileExistsError, PermissionError, NotImplementedError)
+
+
+class RequestTimedOut(OSError):
+    """A request got no answer within its time bound, on every attempt. An OSError, not
+    a TimeoutError: fsspec's sync() would replace a TimeoutError by its own, message-less
+    FSTimeoutError."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +147,10 @@ def transient(e: BaseException) -> bool:
     for x in _chain(e):
         if isinstance(x, _FINAL):
             return False
-        if isinstance(x, (TimeoutError, asyncio.TimeoutError, socket.timeout, ConnectionError)):
+        if isinstance(
+            x,
+            (TimeoutError, asyncio.TimeoutError, socket.timeout, ConnectionError, RequestTimedOut),
+        ):
             return True
         if type(x).__name__ in _TRANSIENT_TYPES:
             return True
@@ -178,15 +188,17 @@ async def call(
 ) -> T:
     """Await `fn()` under the policy: each attempt time-bounded, transient failures retried.
 
-    A timeout raises TimeoutError naming `what` and the bound; the last failure otherwise.
+    A timeout raises RequestTimedOut naming `what` and the bound; the last failure
+    otherwise.
     """
     p = p or policy()
     for n in range(1, p.attempts + 1):
         try:
             return await asyncio.wait_for(fn(), p.timeout_s)
         except asyncio.TimeoutError:
-            err: BaseException = TimeoutError(
-                f"{what}: no answer within {p.timeout_s:g} s (attempt {n} of {p.attempts})"
+            err: BaseException = RequestTimedOut(
+                errno.ETIMEDOUT,
+                f"{what}: no answer within {p.timeout_s:g} s (attempt {n} of {p.attempts})",
             )
         except Exception as e:  # noqa: BLE001 - classified below; the final one is raised
             if not transient(e):
