@@ -16,6 +16,7 @@
     ├── Unauthenticated(PermissionError)        wrong or missing coordinator token
     ├── CoordinatorUnavailable(ConnectionError) the coordinator cannot be reached
     ├── JobInUse                                another process's coordinator has the job open
+    ├── MirrorIncomplete                        a rank's copy never reached the mirror
     └── SaveFailed                              a save did not commit
         ├── SaveAborted                         aborted: a rank failed, lease expired, timeout
         ├── StaleGeneration                     fenced: a newer generation of the job exists
@@ -105,6 +106,11 @@ class JobInUse(CkptError):
     """Another process hosts a coordinator over the same catalog (a job open twice)."""
 
 
+class MirrorIncomplete(CkptError):
+    """A rank's verified copy of its shard never reached the mirror: the step is not
+    committed there (ckptd.format.mirror.commit_copy)."""
+
+
 class SaveFailed(CkptError):
     """A save did not commit; earlier checkpoints are untouched."""
 
@@ -145,6 +151,7 @@ __all__ = [
     "Unauthenticated",
     "CoordinatorUnavailable",
     "JobInUse",
+    "MirrorIncomplete",
     "SaveFailed",
     "SaveAborted",
     "StaleGeneration",

@@ -24,6 +24,16 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
+
+
 def _env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -67,6 +77,21 @@ class Knobs:
     # `upload_concurrency` parts in flight per shard. S3's smallest part is 5 MiB.
     upload_part_size: int = 32 << 20
     upload_concurrency: int = 8
+    # Object stores: every request is cut off after this many seconds and retried on
+    # throttling and transient errors, `store_attempts` tries in all, with exponential
+    # backoff (full jitter) from `store_backoff_s` up to `store_backoff_max_s`
+    # (ckptd.storage.retry). A part that keeps failing aborts the save.
+    store_request_timeout_s: float = 120.0
+    store_attempts: int = 5
+    store_backoff_s: float = 0.5
+    store_backoff_max_s: float = 10.0
+    # Object-store reads: a read window is fetched as ranged GETs of this size, at most
+    # `store_get_concurrency` in flight per window (read windows x this per rank). The
+    # default is one GET per window (`io_threads` windows in flight): on moto, the only
+    # store measured here, a ranged GET costs the whole object, so more, smaller GETs
+    # timed out under load (bench/README.md, s3_save_rss.py).
+    store_get_size: int = 32 << 20
+    store_get_concurrency: int = 8
     # Loads under a process group: each stored byte is read by one rank and sent to the
     # ranks that need it (ckpt._shared_read), in windows of at most this many bytes in
     # flight per rank; the receivers re-check the blocks they get against the index.
@@ -92,6 +117,14 @@ def _from_env() -> Knobs:
         max_entries_per_shard=_env_int("CKPT_MAX_ENTRIES_PER_SHARD", d.max_entries_per_shard),
         upload_part_size=_env_int("CKPT_UPLOAD_PART_SIZE", d.upload_part_size),
         upload_concurrency=_env_int("CKPT_UPLOAD_CONCURRENCY", d.upload_concurrency),
+        store_request_timeout_s=_env_float(
+            "CKPT_STORE_REQUEST_TIMEOUT_S", d.store_request_timeout_s
+        ),
+        store_attempts=_env_int("CKPT_STORE_ATTEMPTS", d.store_attempts),
+        store_backoff_s=_env_float("CKPT_STORE_BACKOFF_S", d.store_backoff_s),
+        store_backoff_max_s=_env_float("CKPT_STORE_BACKOFF_MAX_S", d.store_backoff_max_s),
+        store_get_size=_env_int("CKPT_STORE_GET_SIZE", d.store_get_size),
+        store_get_concurrency=_env_int("CKPT_STORE_GET_CONCURRENCY", d.store_get_concurrency),
         shared_read=_env_bool("CKPT_SHARED_READ", d.shared_read),
         shared_window=_env_int("CKPT_SHARED_WINDOW", d.shared_window),
         verify_received=_env_bool("CKPT_VERIFY_RECEIVED", d.verify_received),

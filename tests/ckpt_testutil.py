@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ckptd.format import hashing, layout
-from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
+from ckptd.storage.base import PendingUpload, Piece, ReadHandle, Storage, WriteHandle
 
 # ----------------------------------------------------------------------------- comparison
 
@@ -276,3 +276,10 @@ class DelegatingStorage(Storage):
 
     def local_path(self, path: str) -> str | None:
         return self.inner.local_path(path)
+
+    # create_only is the base's check-then-write here, so atomic_create_only stays False.
+    def pending_uploads(self, path: str = "") -> list[PendingUpload]:
+        return self.inner.pending_uploads(path)
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        self.inner.abort_upload(upload)

@@ -139,7 +139,8 @@ _UPLOADER = textwrap.dedent(
 
 
 @pytest.mark.multiprocess
-def test_kill_during_multipart_upload(s3_server, s3_bucket, tmp_path):
+@pytest.mark.parametrize("next_step", [3, 2])  # a later step, or the killed one again
+def test_kill_during_multipart_upload(s3_server, s3_bucket, tmp_path, ckptctl, next_step):
     url = f"s3://{s3_bucket}/job"
     script = tmp_path / "uploader.py"
     script.write_text(_UPLOADER)
@@ -185,3 +186,35 @@ def test_kill_during_multipart_upload(s3_server, s3_bucket, tmp_path):
     ups = client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
     [lingering] = [u["Key"] for u in ups]  # rank 0's shard of step 2 (its generation named)
     assert re.fullmatch(rf"job/{layout.step_dir(2)}/shards/rank-00000(\.g\d+)?\.bin", lingering)
+    # The step is listed (its unfinished upload is an entry): ckptctl gc lists the upload
+    # and keeps it while a save of a step newer than the newest commit may be running ...
+    assert 2 in [s.step for s in ckfmt.list_steps(st)]
+    rc, out, _ = ckptctl("gc", url)
+    assert rc == 0 and f"kept unfinished upload {layout.step_dir(2)}/shards/" in out, out
+    assert [u.path for u in st.pending_uploads()] == [lingering.removeprefix("job/")]
+    # ... and the next save removes it: a later step's commit makes step 2 debris below
+    # the live line's newest step, which its retention removes with the upload; a save of
+    # step 2 again first aborts the killed attempt (the coordinator's recovery removes
+    # its files). Nothing is left to bill.
+    ckpt.save({"w": torch.ones(10)}, url, step=next_step)
+    assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    assert ckptctl("gc", url)[1] == "nothing to remove\n"
+    assert ckpt.load({}, url).step == next_step
+
+
+def test_gc_aborts_uploads_that_belong_to_nothing(s3_server, s3_bucket, ckptctl):
+    # An upload under a committed step (a rank's abort that failed after a retry of the
+    # save committed) or outside any step is a stray: gc lists it, --dry-run keeps it.
+    url = f"s3://{s3_bucket}/job"
+    ckpt.save({"w": torch.ones(10)}, url, step=1)
+    client = s3_server.client()
+    for key in (f"job/{layout.step_dir(1)}/shards/rank-00001.bin", "job/elsewhere/x.bin"):
+        client.create_multipart_upload(Bucket=s3_bucket, Key=key)
+    rc, out, _ = ckptctl("gc", "--dry-run", url)
+    assert rc == 0 and out.count("would abort unfinished upload") == 2, out
+    assert len(client.list_multipart_uploads(Bucket=s3_bucket)["Uploads"]) == 2
+    rc, out, _ = ckptctl("gc", url)
+    assert f"aborted unfinished upload {layout.step_dir(1)}/shards/rank-00001.bin" in out, out
+    assert "aborted unfinished upload elsewhere/x.bin (outside any step)" in out, out
+    assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    assert ckpt.load({}, url).step == 1

@@ -29,6 +29,7 @@ from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout, recycle, values
 from ckptd.server.client import CoordinatorClient
 from ckptd.storage import JobLocation, Storage, open_storage
+from ckptd.storage.base import PendingUpload
 
 OK, PROBLEM, USAGE = 0, 1, 2
 
@@ -590,6 +591,7 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
         storage, [s for s in steps if s.status in (ckfmt.COMMITTED, ckfmt.QUARANTINED)]
     )
     pool = [] if args.keep_recycled else storage.listdir(recycle.POOL)
+    uploads = _stray_uploads(storage, steps, doomed)
     verb = "would remove" if args.dry_run else "removed"
     bar = (
         None
@@ -615,6 +617,12 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
                 entry = f"{recycle.POOL}/{name}"
                 _remove_racing(storage, entry, partial(storage.remove_tree, entry))
             _tick(bar)
+        for up, why_up, action in uploads:
+            if action == "abort" and not args.dry_run:
+                storage.abort_upload(up)  # under a removed step, remove_tree did it
+            if not args.json:
+                done = "kept" if action == "keep" else "would abort" if args.dry_run else "aborted"
+                print(f"{done} unfinished upload {up.path} ({why_up})")
     finally:
         if bar is not None:
             bar.close()
@@ -630,11 +638,43 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
                 "steps": [{"step": s, "reason": r} for s, r in doomed_steps],
                 "stray_files": strays,
                 "recycled_files": len(pool),
+                "uploads": [
+                    {"path": u.path, "upload_id": u.upload_id, "kept": a == "keep", "reason": r}
+                    for u, r, a in uploads
+                ],
             },
         )
-    elif not doomed and not pool and not strays:
+    elif not doomed and not pool and not strays and not uploads:
         print("nothing to remove")
     return OK
+
+
+def _stray_uploads(
+    storage: Storage, steps: Sequence[ckfmt.StepInfo], doomed: dict[int, str]
+) -> list[tuple[PendingUpload, str, str]]:
+    """Unfinished multipart uploads under the job (S3 bills their parts): (upload, why,
+    "abort" | "with_step" | "keep"). Those under a step gc removes go with it (remove_tree aborts them; listed
+    here); under a committed step or outside any step they belong to nothing; under an
+    unfinished step gc keeps, a save may still be sending them."""
+    status = {s.step: s.status for s in steps}
+    out: list[tuple[PendingUpload, str, str]] = []
+    for up in storage.pending_uploads(""):
+        step = layout.parse_step_dir(up.path.split("/", 1)[0])
+        if step is None:
+            out.append((up, "outside any step", "abort"))
+        elif step in doomed:
+            out.append((up, f"with {layout.step_dir(step)}: {doomed[step]}", "with_step"))
+        elif status.get(step) in (ckfmt.COMMITTED, ckfmt.QUARANTINED):
+            out.append((up, "not part of the committed step", "abort"))
+        else:
+            out.append(
+                (
+                    up,
+                    f"a save of step {step} may be running; --include-newer removes it",
+                    "keep",
+                )
+            )
+    return out
 
 
 def _remove_racing(storage: Storage, path: str, remove: Callable[[], None]) -> None:

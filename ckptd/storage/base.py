@@ -24,6 +24,10 @@ wrapper (a faulty or slow storage in the tests) passes them on to what it wraps:
     local_path(path)    the path's absolute name on a local filesystem, for a caller that
                         hands real files to another tool (a bulk upload); None where the
                         bytes live elsewhere (an object store, memory://)
+    atomic_create_only  create_only is the store's own create-if-absent (S3, GCS, Azure
+                        conditional writes); where False it checks, then writes
+    pending_uploads(p)  multipart uploads under p that are not objects (S3); remove_tree
+                        aborts those under the tree, `ckptctl gc` lists and aborts strays
 
 Storage knows nothing of the checkpoint format: which file is the commit point is the
 caller's business (`create_only`'s `before_publish` lets it act at the moment a file is
@@ -33,6 +37,7 @@ about to become visible), and so are the limits on what it reads (`read_bytes`' 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -41,6 +46,16 @@ from ckptd.errors import CheckpointExists
 
 # A piece of a write: (absolute file offset, 1-D contiguous uint8 array).
 Piece = tuple[int, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class PendingUpload:
+    """An upload the store holds parts of, not (yet) an object: a save in flight, or the
+    debris of one that was killed or whose abort failed (billed until aborted)."""
+
+    path: str  # relative to the job directory, like every Storage path
+    upload_id: str
+    initiated: str = ""
 
 
 class WriteHandle(abc.ABC):
@@ -175,6 +190,21 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def local_path(self, path: str) -> str | None:
         """The absolute local-filesystem name of `path` (confined), or None."""
+
+    @property
+    def atomic_create_only(self) -> bool:
+        """Whether `create_only` is the store's own atomic create-if-absent (True), or
+        this default's check-then-write, racy between two writers (False)."""
+        return False
+
+    def pending_uploads(self, path: str = "") -> list[PendingUpload]:
+        """Unfinished multipart uploads under `path` ('' is the job): a store that bills
+        parts outside objects (S3) lists them; elsewhere there are none ([])."""
+        return []
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        """Abort one of `pending_uploads`' uploads (its parts are deleted)."""
+        raise NotImplementedError(f"{self.url} has no multipart uploads to abort")
 
 
 class DirFiles:

@@ -13,7 +13,10 @@ yet:
   `finish()` completes the upload, and only then does the object exist; `abort()` or any
   failure cancels what is in flight and aborts the upload, so neither a partial object
   nor pending parts are left. A file of one part or less is one PUT at `finish()`.
-  Held: (parts in flight + parts partly filled) x the part size.
+  Held: (parts in flight + parts partly filled) x the part size. Every request (create,
+  each UploadPart, complete, abort) is time-bounded and retried on transient failures
+  (ckptd.storage.retry); a part that still fails fails the shard, naming the part and
+  the cause.
 - `SequentialWriteHandle` (memory://, gs://, file://, ...): windows that arrive ahead of
   the next byte to send wait in memory; the contiguous run from there is written in order
   to `fs.open(target, "wb")`, which uploads in blocks. The target is a temporary renamed
@@ -33,6 +36,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -41,7 +45,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from ckptd import knobs
 from ckptd.errors import StorageError
-from ckptd.storage import counters
+from ckptd.storage import counters, retry
 from ckptd.storage.base import Piece, WriteHandle
 
 MIN_PART = 5 << 20  # S3's smallest part (except the last)
@@ -115,8 +119,8 @@ class MultipartWriteHandle(WriteHandle):
         self._upload_id: str | None = None
         if self.n_parts > 1:
             try:
-                mpu = fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
-            except OSError as e:
+                mpu = self._call("create_multipart_upload", Bucket=self._bucket, Key=self._key)
+            except (OSError, TimeoutError) as e:
                 raise StorageError(
                     f"could not start the multipart upload of {url}/{path} ({size} bytes): "
                     f"{e}; check the store's credentials and endpoint, then retry"
@@ -187,16 +191,7 @@ class MultipartWriteHandle(WriteHandle):
                     ]
                 if len(parts) != self.n_parts:
                     raise self._failure(f"{len(parts)} of {self.n_parts} parts were uploaded")
-                try:
-                    self._fs.call_s3(
-                        "complete_multipart_upload",
-                        Bucket=self._bucket,
-                        Key=self._key,
-                        UploadId=self._upload_id,
-                        MultipartUpload={"Parts": parts},
-                    )
-                except OSError as e:
-                    raise self._failure(f"completing the upload failed: {e}") from e
+                self._complete(parts)
                 self._upload_id = None  # completed: nothing to abort
         except BaseException:
             self.abort()
@@ -220,8 +215,10 @@ class MultipartWriteHandle(WriteHandle):
         try:
             sync(self._fs.loop, self._abort_async)
         except Exception:  # noqa: BLE001 - an abort runs while a failure is being raised
-            # The save fails either way, and raising here would hide why; the parts linger
-            # until a lifecycle rule removes them, and they are never part of an object.
+            # The save fails either way, and raising here would hide why; the parts are
+            # never part of an object, and the next removal of the step's files (the
+            # coordinator's abort, a later save of the step, `ckptctl gc`) aborts the
+            # upload (FsspecStorage.remove_tree).
             pass
 
     # -- internals -----------------------------------------------------------------------
@@ -269,18 +266,53 @@ class MultipartWriteHandle(WriteHandle):
         n = len(buf)
         fut.add_done_callback(lambda f: self._sent(p, n, f))
 
+    def _call(self, method: str, **kw: Any) -> Any:
+        """One multipart-upload request from this thread, under the retry policy."""
+        what = f"{method} of {self._url}/{self.path}"
+        call = partial(self._fs._call_s3, method, **kw)
+        return sync(self._fs.loop, retry.call, what, call)
+
+    def _complete(self, parts: list[dict[str, Any]]) -> None:
+        try:
+            self._call(
+                "complete_multipart_upload",
+                Bucket=self._bucket,
+                Key=self._key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except (OSError, TimeoutError) as e:
+            # A complete retried after its first attempt landed (the answer lost) finds
+            # no upload: the object is there whole when it has the shard's size (S3
+            # creates it atomically; the key is this save's generation's alone).
+            if isinstance(e, FileNotFoundError) and self._exists_whole():
+                return
+            raise self._failure(f"completing the upload failed: {e}") from e
+
+    def _exists_whole(self) -> bool:
+        try:
+            head = self._call("head_object", Bucket=self._bucket, Key=self._key)
+        except (OSError, TimeoutError):
+            return False
+        return int(head.get("ContentLength", -1)) == self.size
+
     async def _upload_part(self, p: int, buf: bytearray) -> str:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
+        lo, hi = self._range(p)
         try:
-            out = await self._fs._call_s3(
-                "upload_part",
-                Bucket=self._bucket,
-                Key=self._key,
-                UploadId=self._upload_id,
-                PartNumber=p + 1,
-                Body=buf,
+            out = await retry.call(
+                f"part {p + 1} of {self.n_parts} (bytes {lo}-{hi}) of {self._url}/{self.path}",
+                partial(
+                    self._fs._call_s3,
+                    "upload_part",
+                    Bucket=self._bucket,
+                    Key=self._key,
+                    UploadId=self._upload_id,
+                    PartNumber=p + 1,
+                    Body=buf,
+                ),
             )
             return str(out["ETag"])
         finally:
@@ -296,7 +328,7 @@ class MultipartWriteHandle(WriteHandle):
             elif (e := f.exception()) is not None:
                 if self._error is None:
                     lo, hi = self._range(p)
-                    err = self._failure(f"part {p + 1} (bytes {lo}-{hi}): {e}")
+                    err = self._failure(f"part {p + 1} (bytes {lo}-{hi}): {retry.describe(e)}")
                     err.__cause__ = e
                     self._error = err
             else:
@@ -311,11 +343,15 @@ class MultipartWriteHandle(WriteHandle):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._upload_id is not None:
-            await self._fs._call_s3(
-                "abort_multipart_upload",
-                Bucket=self._bucket,
-                Key=self._key,
-                UploadId=self._upload_id,
+            await retry.call(
+                f"abort of the multipart upload of {self._url}/{self.path}",
+                partial(
+                    self._fs._call_s3,
+                    "abort_multipart_upload",
+                    Bucket=self._bucket,
+                    Key=self._key,
+                    UploadId=self._upload_id,
+                ),
             )
             self._upload_id = None
 
@@ -433,7 +469,9 @@ class SequentialWriteHandle(WriteHandle):
         if isinstance(f, AbstractBufferedFile):  # an object store's file (gcsfs, adlfs, ...)
             try:
                 f.discard()  # cancels its pending upload
-            except OSError:
+            except Exception:  # noqa: BLE001 - a client's own error (gcsfs HttpError)
+                # An unfinished upload is no object either way; a store that cannot
+                # cancel it (an emulator's 501) lets it expire.
                 pass
             f.closed = True  # never closed: its __del__ would commit what it holds
         elif f is not None:

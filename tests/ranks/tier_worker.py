@@ -3,6 +3,8 @@
 
 Each rank saves its own tensor (ckpt.PerRank: each rank's shard holds different bytes)
 plus a replicated one; resume checks its tensors bit-exactly against the saved values.
+While saving, each rank's mirror uploader reads the local tier through `OwnFilesOnly`:
+another rank's shard or index is refused, as on a node's own disk.
 Run as a multiprocessing (spawn) target: `spawn_entry(rank, world, port, phase, job,
 mirror, out_dir)`.
 """
@@ -13,6 +15,40 @@ import json
 import os
 import sys
 import traceback
+
+
+def own_files_only(inner, rank: int):  # noqa: ANN001, ANN201
+    """The local tier as one node sees it: other ranks' shard files are not there."""
+    from ckpt_testutil import DelegatingStorage
+
+    from ckptd.errors import ShardMissing
+    from ckptd.format import layout
+
+    mine = layout.shard_name(rank).rsplit("/", 1)[-1].rsplit(".", 1)[0] + "."  # rank-00001.
+
+    class OwnFilesOnly(DelegatingStorage):
+        def _check(self, path: str) -> None:
+            name = path.rsplit("/", 1)[-1]
+            if name.startswith("rank-") and not name.startswith(mine):
+                raise ShardMissing(f"rank {rank} cannot see {path} (another node's disk)")
+
+        def open_read(self, path, *, cold=False):  # noqa: ANN001, ANN201
+            self._check(path)
+            return super().open_read(path, cold=cold)
+
+        def read_bytes(self, path, *, limit):  # noqa: ANN001, ANN201
+            self._check(path)
+            return super().read_bytes(path, limit=limit)
+
+        def size(self, path):  # noqa: ANN001, ANN201
+            self._check(path)
+            return super().size(path)
+
+        def local_path(self, path):  # noqa: ANN001, ANN201
+            self._check(path)
+            return super().local_path(path)
+
+    return OwnFilesOnly(inner)
 
 
 def state(rank: int, step: int, fresh: bool):  # noqa: ANN201
@@ -39,6 +75,8 @@ def _run(rank: int, world: int, phase: str, job: str, mirror: str, out_dir: str)
         dist.init_process_group("gloo", rank=rank, world_size=world)
         with ckpt.Checkpointer(job, mirror=mirror) as cp:
             if phase == "save":
+                assert cp._mirror is not None
+                cp._mirror.source = own_files_only(cp._mirror.source, rank)
                 for step in (1, 2):
                     cp.save(state(rank, step, False), step, blocking=True)
                     if cp._mirror is not None:

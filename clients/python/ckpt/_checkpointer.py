@@ -136,8 +136,10 @@ class Checkpointer:
                 job=self.path,
                 keep_last=mirror_keep_last,
                 record=self._record_mirror,
+                rank=self.rank,  # every rank uploads its own shard (ckpt._mirror)
+                world_size=self.world_size,
             )
-            if self.mirror_storage is not None and self.rank == 0
+            if self.mirror_storage is not None
             else None
         )
         if self._mirror is not None:

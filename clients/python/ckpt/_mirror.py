@@ -14,8 +14,12 @@ the next commit tries again with its own step. The step's files are read from th
 local tier while they upload: if local retention removed the step first (mirror far
 behind, keep_last small), that step is skipped with a warning.
 
-One process uploads (rank 0), reading every rank's shard from the job's directory, so
-the local tier must be readable by rank 0 (one node, or a shared filesystem).
+Every rank uploads its own shard (and index), reads it back from the mirror and marks
+it verified there; rank 0 writes the mirror's manifest once every rank's mark is there
+(ckptd.format.mirror), records the tier in the catalog and runs the mirror's retention.
+No rank reads another's files, so the local tier may be each node's own disk. Rank 0
+waits `commit_wait_s` for the others' marks, and gives up sooner when a newer step is
+pending (the ranks skip steps independently: the newer one replaces it everywhere).
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ import time
 from collections.abc import Callable
 
 from ckptd.coordinator import retention
-from ckptd.errors import CheckpointNotFound, CkptError, ShardMissing
+from ckptd.errors import CheckpointNotFound, CkptError, MirrorIncomplete, ShardMissing
 from ckptd.format import layout
-from ckptd.format.mirror import MirrorResult, mirror_step
+from ckptd.format.mirror import MirrorResult, commit_copy, copy_shards
 from ckptd.storage.base import Storage
 
 log = logging.getLogger("ckpt")
@@ -47,8 +51,12 @@ class MirrorUploader:
         retries: int = 3,
         backoff_s: float = 1.0,
         record: Recorder | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        commit_wait_s: float = 600.0,
     ):
         self.source, self.mirror, self.job = source, mirror, job
+        self.rank, self.world_size, self.commit_wait_s = rank, world_size, commit_wait_s
         self.keep_last = keep_last
         self.retries, self.backoff_s = retries, backoff_s
         self._record = record
@@ -119,12 +127,16 @@ class MirrorUploader:
                     self._cv.notify_all()
 
     def _upload(self, step: int) -> None:
-        where = f"job {self.job} step {step} -> mirror {self.mirror.url}"
+        who = f" rank {self.rank}" if self.world_size > 1 else ""
+        where = f"job {self.job} step {step}{who} -> mirror {self.mirror.url}"
         self._note(step, "UPLOADING", "")
         error = ""
         for attempt in range(1, self.retries + 1):
             try:
-                res = mirror_step(self.source, self.mirror, step, job=self.job)
+                res = self._copy(step)
+            except MirrorIncomplete as e:
+                error = f"{type(e).__name__}: {e}"
+                break  # waited already; the next step is copied in its place
             except (CheckpointNotFound, ShardMissing) as e:
                 if not _still_committed(self.source, step):
                     log.warning(
@@ -169,8 +181,23 @@ class MirrorUploader:
             error,
         )
 
+    def _copy(self, step: int) -> MirrorResult:
+        """This rank's shard (every shard in a one-rank job), then rank 0 commits."""
+        ranks = None if self.world_size == 1 else {self.rank}
+        res = copy_shards(self.source, self.mirror, step, job=self.job, ranks=ranks)
+        if self.rank == 0 and not res.already_there:
+            commit_copy(
+                self.source,
+                self.mirror,
+                step,
+                job=self.job,
+                wait_s=self.commit_wait_s,
+                give_up=lambda: self._pending is not None,
+            )
+        return res
+
     def _retention(self) -> None:
-        if self.keep_last is None:
+        if self.keep_last is None or self.rank != 0:
             return
         try:
             removed = retention.apply(self.mirror, self.keep_last)
@@ -181,7 +208,7 @@ class MirrorUploader:
             self._note(step, "REMOVED", "")
 
     def _note(self, step: int, status: str, reason: str) -> None:
-        if self._record is None:
+        if self._record is None or self.rank != 0:  # the step's copy is rank 0's to record
             return
         try:
             self._record(step, status, reason)
