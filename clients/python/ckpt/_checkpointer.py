@@ -29,6 +29,7 @@ from ckpt import _hooks, _resume, _world
 from ckpt._connect import connect
 from ckpt._flatten import flatten
 from ckpt._load import load_from_tiers
+from ckpt._memory import MemorySaver, MemoryTier
 from ckpt._mirror import MirrorUploader
 from ckpt._pending import PendingSave
 from ckpt._protocol import RankSave
@@ -60,6 +61,9 @@ class Checkpointer:
         committed there too (ckpt._mirror); loads fall back to it (ckpt._load).
     mirror_keep_last: retention in the mirror (None: keep all); independent of keep_last.
     mirror_close_timeout_s: how long close() waits for the last copy to the mirror.
+    memory: a MemoryTier: maybe_save also takes memory checkpoints every `memory.every`
+        steps, held by each node's agent in shared memory and on a peer node; resume
+        prefers them (ckpt._memory, docs/memory-tier.md).
     attempt: names this launch of the job (see ckpt._world); older attempts are fenced.
     save_on_preemption: install handlers for `preemption_signals` (default SIGTERM and
         SIGUSR1) that only note the signal; the next maybe_save() finishes the save in
@@ -90,6 +94,7 @@ class Checkpointer:
         mirror: str | os.PathLike[str] | Storage | None = None,
         mirror_keep_last: int | None = None,
         mirror_close_timeout_s: float = 600.0,
+        memory: MemoryTier | None = None,
     ):
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
@@ -153,6 +158,23 @@ class Checkpointer:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
         # The process group's store: ranks agree on resume and preemption steps through it.
         self._store = _world.dist_store() if self.world_size > 1 else None
+        self._memory = (
+            MemorySaver(
+                memory,
+                path=self.path,
+                storage=self.storage,
+                rank=self.rank,
+                world_size=self.world_size,
+                generation=self.generation,
+                attempt=self.attempt,
+                store=self._store,
+                token=token,
+                record=lambda step, status, why: self._record_tier("memory", step, status, why),
+                allow_divergent=allow_divergent_replicas,
+            )
+            if memory is not None
+            else None
+        )
         self._last_step: int | None = None  # the newest step saved or resumed here
         # The step the next save descends from (its manifest's parent): the step last saved
         # or loaded here; _JOB_HEAD before either (the job's live head, looked up once).
@@ -410,6 +432,8 @@ class Checkpointer:
         try:
             info = self.client.get_checkpoint(self.path, step)
         except (CheckpointNotFound, CoordinatorUnavailable) as e:
+            if self._memory is not None and isinstance(e, CheckpointNotFound):
+                return None  # a memory step: its agents' commit is its record (ckpt._memory)
             # Storage alone describes a checkpoint (promise 6): a restore never depends on
             # the coordinator being up, so this check is skipped, loudly, when it is not.
             log.warning(
@@ -426,8 +450,10 @@ class Checkpointer:
 
     @property
     def tiers(self) -> list[tuple[str, Any]]:
-        """(name, Storage) of each tier, nearest first: "local" (the job's path), "mirror"."""
-        out: list[tuple[str, Any]] = [("local", self.storage)]
+        """(name, Storage) of each tier, nearest first: "memory" (this node's) and "peer"
+        (another node's) with a memory tier, "local" (the job's path), "mirror"."""
+        out: list[tuple[str, Any]] = self._memory.tiers() if self._memory is not None else []
+        out.append(("local", self.storage))
         if self.mirror_storage is not None:
             out.append(("mirror", self.mirror_storage))
         return out
@@ -436,14 +462,21 @@ class Checkpointer:
         if tier == "local":
             self._quarantined(step, reason)
         else:
-            self._record_mirror(step, "FAILED", f"quarantined: {reason}")
+            kind = "mirror" if tier == "mirror" else "memory"
+            self._record_tier(kind, step, "FAILED", f"{tier} copy quarantined: {reason}")
 
     def _record_mirror(self, step: int, status: str, reason: str) -> None:
-        """The coordinator's catalog records what the mirror holds (RecordTier)."""
-        if self.mirror_storage is not None:
-            self.client.record_tier(
-                self.path, step, "mirror", self.mirror_storage.url, status, reason
-            )
+        self._record_tier("mirror", step, status, reason)
+
+    def _record_tier(self, tier: str, step: int, status: str, reason: str) -> None:
+        """The coordinator's catalog records what the mirror / memory holds (RecordTier)."""
+        if tier == "mirror" and self.mirror_storage is not None:
+            self.client.record_tier(self.path, step, tier, self.mirror_storage.url, status, reason)
+        elif tier == "memory" and self._memory is not None:
+            try:
+                self.client.record_tier(self.path, step, tier, self._memory.url, status, reason)
+            except CkptError as e:  # the memory tier never fails a step for the catalog
+                log.warning("job %s step %d: memory tier not recorded: %s", self.path, step, e)
 
     def _quarantined(self, step: int, reason: str) -> None:
         """A load found `step` corrupt: record it in the coordinator's catalog too."""
@@ -512,9 +545,35 @@ class Checkpointer:
             stop = self._stop_plan.poll(step, _hooks.received(), inflight)
             if stop is not None:
                 return self._last_checkpoint(state, step, metadata, stop)
-        if every is not None and step % every == 0 and step != self._last_step:
+        if step == self._last_step:
+            return None
+        if every is not None and step % every == 0:
             return self.save(state, step, metadata=metadata)
+        if self._memory is not None and step % self._memory.tier.every == 0:
+            return self.save_memory(state, step, metadata=metadata)
         return None
+
+    def save_memory(
+        self, state: Any, step: int, *, metadata: dict[str, Any] | None = None
+    ) -> PendingSave:
+        """A memory checkpoint of `state` as `step` (needs memory=MemoryTier(...)).
+
+        Returns once the state is staged; it is placed in this node's and a peer's memory
+        in the background, and committed there (ckpt._memory). A failure is logged and
+        held by the PendingSave (wait() raises it), never raised into training; a save
+        while the previous memory save is still being placed is skipped.
+        """
+        self._check_open()
+        if self._memory is None:
+            raise ValueError(f"job {self.path!r}: save_memory needs Checkpointer(memory=...)")
+        layout.check_step(step)
+        parent = self._parent
+        if isinstance(parent, _Unset):
+            parent = ckfmt.latest_step(self.storage)
+        pending = self._memory.save(state, step, parent=parent, metadata=check_metadata(metadata))
+        if not pending.skipped:
+            self._last_step = self._parent = step
+        return pending
 
     @property
     def preempted(self) -> int | None:
@@ -595,6 +654,8 @@ class Checkpointer:
                 p.join()
             if self._mirror is not None:
                 self._mirror.close(self.mirror_close_timeout_s)
+            if self._memory is not None:
+                self._memory.close()
             self._wait_for_peers()
             self._closed = True
             self._worker.shutdown(wait=True)
