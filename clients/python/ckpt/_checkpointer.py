@@ -176,6 +176,7 @@ class Checkpointer:
             else None
         )
         self._last_step: int | None = None  # the newest step saved or resumed here
+        self.last_load: LoadResult | None = None
         # The step the next save descends from (its manifest's parent): the step last saved
         # or loaded here; _JOB_HEAD before either (the job's live head, looked up once).
         self._parent: int | None | _Unset = _JOB_HEAD
@@ -424,6 +425,7 @@ class Checkpointer:
             read=read,
         )
         self._parent = self._parent_before = res.step
+        self.last_load = res  # which step and tier (resume returns only the step)
         return res
 
     def _catalog_blake3(self, step: int) -> str | None:

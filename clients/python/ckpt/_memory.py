@@ -21,8 +21,9 @@ nearest tiers, so every byte is verified and a bad copy falls through to the nex
 
 The agent: the node's first rank starts `ckptd agent` (under a lock file in the root)
 when none answers, detached so it outlives the ranks; Slurm or Kubernetes may start it
-instead. Its token is the job's (token= / $CKPTD_TOKEN), else a random one kept in the
-job directory (.ckptd-agent-token), which every rank of every attempt can read.
+instead. Its token is the job's (token= / $CKPTD_TOKEN), else a random one rank 0 keeps
+in the job directory (.ckptd-agent-token, so every attempt finds the same agents) and
+hands to the other ranks through the store, as it does the coordinator's.
 """
 
 from __future__ import annotations
@@ -97,8 +98,11 @@ class MemoryTier:
             raise ValueError(f"MemoryTier.every must be at least 1, got {self.every}")
         if self.replicas < 0:
             raise ValueError(f"MemoryTier.replicas must be >= 0, got {self.replicas}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"MemoryTier.max_steps must be at least 1, got {self.max_steps}")
+        if self.max_steps is not None and self.max_steps < 2:
+            raise ValueError(
+                f"MemoryTier.max_steps must be at least 2 (the newest committed step stays "
+                f"while the next one is written), got {self.max_steps}"
+            )
         if self.max_bytes is not None and self.max_bytes < 1:
             raise ValueError(f"MemoryTier.max_bytes must be positive, got {self.max_bytes}")
 
@@ -217,10 +221,16 @@ class MemorySaver:
                 "store is how their memory saves agree)"
             )
         self.root = tier.root or default_root(path)
-        self.token = job_token(storage, token)
+        self._key = f"ckptd/memory/{path}/{attempt}"
+        if store is None or rank == 0:
+            self.token = job_token(storage, token)
+            if store is not None:  # as the coordinator's token is (ckpt._connect)
+                store.set(f"{self._key}/token", self.token)
+        else:
+            store.wait([f"{self._key}/token"], datetime.timedelta(seconds=tier.timeout_s))
+            self.token = store.get(f"{self._key}/token").decode()
         self.agent = ensure_agent(self.root, self.node, self.token, tier)
         self.storage = LocalStorage(self.root, direct_io=False, early_writeback=False)
-        self._key = f"ckptd/memory/{path}/{attempt}"
         if self.store is not None:
             self.store.set(f"{self._key}/agent/{self.node}", self.agent.address)
         self._peers: dict[int, AgentClient] = {}
