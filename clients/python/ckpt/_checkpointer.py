@@ -572,7 +572,10 @@ class Checkpointer:
         parent = self._parent
         if isinstance(parent, _Unset):
             parent = ckfmt.latest_step(self.storage)
-        pending = self._memory.save(state, step, parent=parent, metadata=check_metadata(metadata))
+        prev = self._inflight if self._inflight is not None and not self._inflight.done() else None
+        pending = self._memory.save(
+            state, step, parent=parent, metadata=check_metadata(metadata), after=prev
+        )
         if not pending.skipped:
             self._last_step = self._parent = step
         return pending

@@ -272,8 +272,20 @@ class MemorySaver:
         return out
 
     # -- save ----------------------------------------------------------------------------
-    def save(self, state: Any, step: int, *, parent: int | None, metadata: dict[str, Any]) -> PendingSave:
-        """Stage `state` (the blocking part) and place it in memory in the background."""
+    def save(
+        self,
+        state: Any,
+        step: int,
+        *,
+        parent: int | None,
+        metadata: dict[str, Any],
+        after: PendingSave | None = None,
+    ) -> PendingSave:
+        """Stage `state` (the blocking part) and place it in memory in the background.
+
+        after: the persistent save still in flight that this step descends from; the
+        memory commit waits for it, since the live line orders steps by commit time (a
+        parent committed after its child would put the child on an abandoned branch)."""
         prev = self._inflight
         if prev is not None and not prev.done():
             log.warning(
@@ -293,13 +305,15 @@ class MemorySaver:
         pending.timings.blocking_s = pending.timings.staging_s = time.perf_counter() - t0
         pending.bytes = job.held_bytes
         self._inflight = pending
-        self._worker.submit(self._place, job, pending, parent)
+        self._worker.submit(self._place, job, pending, parent, after)
         return pending
 
-    def _place(self, job: SaveJob, pending: PendingSave, parent: int | None) -> None:
+    def _place(
+        self, job: SaveJob, pending: PendingSave, parent: int | None, after: PendingSave | None
+    ) -> None:
         t0 = time.perf_counter()
         try:
-            self._place_or_raise(job, parent)
+            self._place_or_raise(job, parent, after)
         except BaseException as e:  # noqa: BLE001 - reported, never raised into training
             pending.timings.persist_s = time.perf_counter() - t0
             log.error(
@@ -329,7 +343,7 @@ class MemorySaver:
             None,
         )
 
-    def _place_or_raise(self, job: SaveJob, parent: int | None) -> None:
+    def _place_or_raise(self, job: SaveJob, parent: int | None, after: PendingSave | None) -> None:
         step = job.step
         digests = job.digests()
         plan = job.plan(digests)
@@ -355,6 +369,8 @@ class MemorySaver:
         )
         self._post(step, "held", {"shard": info.to_json(), "held_on": reply["held_on"], "failures": reply["failures"]})
         if self.rank == 0:
+            if after is not None:
+                after.join()
             self._commit(job, states, parent)
 
     def _commit(self, job: SaveJob, states: dict[int, Any], parent: int | None) -> None:
