@@ -20,7 +20,9 @@ from ckptd.format import layout
 WORLD = 4
 
 
-def run_job(job: Path, out: Path, spec: dict, *, expect_crash: bool = False, timeout: float = 180) -> list[dict]:
+def run_job(
+    job: Path, out: Path, spec: dict, *, expect_crash: bool = False, timeout: float = 180
+) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -127,7 +129,9 @@ def test_a_flipped_bit_in_the_peers_copy_falls_back_to_storage(tmp_path, shm, re
         # Node 0's agent holds node 1's shards of step 6: flip one bit of rank 2's.
         shard = shm / "node0" / layout.step_dir(6) / layout.shard_name(2, 1)
         if not shard.exists():
-            shard = next((shm / "node0" / layout.step_dir(6) / layout.SHARDS_DIR).glob("rank-00002*.bin"))
+            shard = next(
+                (shm / "node0" / layout.step_dir(6) / layout.SHARDS_DIR).glob("rank-00002*.bin")
+            )
         with open(shard, "r+b") as f:
             f.seek(100)
             b = f.read(1)

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckpt import _hooks, _resume, _world
-from ckpt._connect import connect
+from ckpt._connect import connect, wait_for_closed
 from ckpt._flatten import flatten
 from ckpt._load import load_from_tiers
 from ckpt._memory import MemorySaver, MemoryTier
@@ -158,23 +158,11 @@ class Checkpointer:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
         # The process group's store: ranks agree on resume and preemption steps through it.
         self._store = _world.dist_store() if self.world_size > 1 else None
-        self._memory = (
-            MemorySaver(
-                memory,
-                path=self.path,
-                storage=self.storage,
-                rank=self.rank,
-                world_size=self.world_size,
-                generation=self.generation,
-                attempt=self.attempt,
-                store=self._store,
-                token=token,
-                record=lambda step, status, why: self._record_tier("memory", step, status, why),
-                allow_divergent=allow_divergent_replicas,
-            )
-            if memory is not None
-            else None
-        )
+        self._memory = None if memory is None else MemorySaver(
+            memory, self.path, self.storage, self._store, token, (self.rank, self.world_size),
+            (self.generation, self.attempt), allow_divergent=allow_divergent_replicas,
+            record=lambda step, status, why: self._record_tier("memory", step, status, why),
+        )  # fmt: skip
         self._last_step: int | None = None  # the newest step saved or resumed here
         self.last_load: LoadResult | None = None
         # The step the next save descends from (its manifest's parent): the step last saved
@@ -472,13 +460,9 @@ class Checkpointer:
 
     def _record_tier(self, tier: str, step: int, status: str, reason: str) -> None:
         """The coordinator's catalog records what the mirror / memory holds (RecordTier)."""
-        if tier == "mirror" and self.mirror_storage is not None:
-            self.client.record_tier(self.path, step, tier, self.mirror_storage.url, status, reason)
-        elif tier == "memory" and self._memory is not None:
-            try:
-                self.client.record_tier(self.path, step, tier, self._memory.url, status, reason)
-            except CkptError as e:  # the memory tier never fails a step for the catalog
-                log.warning("job %s step %d: memory tier not recorded: %s", self.path, step, e)
+        place = self._memory if tier == "memory" else self.mirror_storage
+        if place is not None:
+            self.client.record_tier(self.path, step, tier, place.url, status, reason)
 
     def _quarantined(self, step: int, reason: str) -> None:
         """A load found `step` corrupt: record it in the coordinator's catalog too."""
@@ -558,13 +542,9 @@ class Checkpointer:
     def save_memory(
         self, state: Any, step: int, *, metadata: dict[str, Any] | None = None
     ) -> PendingSave:
-        """A memory checkpoint of `state` as `step` (needs memory=MemoryTier(...)).
-
-        Returns once the state is staged; it is placed in this node's and a peer's memory
-        in the background, and committed there (ckpt._memory). A failure is logged and
-        held by the PendingSave (wait() raises it), never raised into training; a save
-        while the previous memory save is still being placed is skipped.
-        """
+        """A memory checkpoint of `state` as `step` (needs memory=MemoryTier(...)): staged
+        now, placed and committed in the background (ckpt._memory); its failure is logged
+        and kept in the PendingSave, never raised into training."""
         self._check_open()
         if self._memory is None:
             raise ValueError(f"job {self.path!r}: save_memory needs Checkpointer(memory=...)")
@@ -589,51 +569,17 @@ class Checkpointer:
     def _last_checkpoint(
         self, state: Any, step: int, metadata: dict[str, Any] | None, stop: _hooks.Stop
     ) -> PendingSave | None:
-        """Finish the save in flight or take one last checkpoint; then exit (or report).
-
-        Every rank decides the same way: `stop` is shared, the saves issued so far are
-        the same on every rank (they follow the steps), and a save commits or aborts for
-        all ranks at once.
-        """
-        name = _hooks.signal_name(stop.signum)
-        log.warning(
-            "job %s rank %d: %s received (rank %d saw it first); taking the last checkpoint at step %d",
-            self.path,
-            self.rank,
-            name,
-            stop.rank,
-            step,
-        )
+        """Finish the save in flight or take one last checkpoint; then exit (or report)."""
         self._stopped = True
-        final = self._inflight
-        if final is not None:
-            final.join()
-            failure = final.take_unseen_error() or final.error
-            if failure is not None:
-                log.error(
-                    "job %s: the save of step %d failed (%s); taking a new one at step %d",
-                    self.path,
-                    final.step,
-                    failure,
-                    step,
-                )
-                final = None
-            elif stop.inflight is None and final.step != step:
-                final = None  # nothing was in flight when the signal came: save this step
-        if final is None:
-            final = self.save(state, step, metadata=metadata, blocking=True)
-        result = final.wait()
-        log.warning(
-            "job %s rank %d: last checkpoint: step %d committed (%s); %s",
-            self.path,
-            self.rank,
-            final.step,
-            result.path if result is not None else "-",
-            f"exiting as {name} asks" if self.exit_on_preemption else "stop the loop now",
+        return _hooks.last_checkpoint(
+            job=self.path,
+            rank=self.rank,
+            stop=stop,
+            step=step,
+            inflight=self._inflight,
+            save=lambda: self.save(state, step, metadata=metadata, blocking=True),
+            exit_after=self.exit_on_preemption,
         )
-        if self.exit_on_preemption:
-            _hooks.exit_for(stop.signum)
-        return final
 
     # -- lifecycle ---------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -697,26 +643,14 @@ class Checkpointer:
             # Signalled but leaving before a safe point (an exception on the way out, e.g. a
             # peer died): the launcher is tearing the job down; do not make it wait longer.
             return
-        key = f"ckptd/closed/{self.path}/{self.attempt}"
-        try:
-            n = self._store.add(key, 1)  # type: ignore[attr-defined]
-            if self._conn.embedded is None:
-                return
-            deadline = time.monotonic() + timeout_s
-            while n < self.world_size and time.monotonic() < deadline:
-                time.sleep(0.02)
-                n = self._store.add(key, 0)  # type: ignore[attr-defined]
-            if n < self.world_size:
-                log.warning(
-                    "job %s: %d of %d ranks closed their Checkpointer within %.0f s; "
-                    "stopping the coordinator anyway",
-                    self.path,
-                    n,
-                    self.world_size,
-                    timeout_s,
-                )
-        except Exception as e:  # noqa: BLE001 - the store is gone (the job is ending): go on
-            log.debug("job %s: could not wait for the other ranks to close: %s", self.path, e)
+        wait_for_closed(
+            self._store,
+            f"ckptd/closed/{self.path}/{self.attempt}",
+            self.world_size,
+            hosting=self._conn.embedded is not None,
+            job=self.path,
+            timeout_s=timeout_s,
+        )
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -199,21 +200,22 @@ class MemorySaver:
     def __init__(
         self,
         tier: MemoryTier,
-        *,
         path: str,
         storage: Storage,
-        rank: int,
-        world_size: int,
-        generation: int,
-        attempt: str,
         store: Any,
         token: str | None,
-        record: Any,
+        rank_world: tuple[int, int],
+        generation_attempt: tuple[int, str],
+        *,
+        record: Callable[[int, str, str], None],
         allow_divergent: bool = False,
     ):
+        """path, storage: the job's; store: the process group's (None for one rank);
+        record(step, status, reason): RecordTier of the memory tier in the catalog."""
+        rank, world_size = rank_world
         self.tier, self.path, self.rank, self.world_size = tier, path, rank, world_size
-        self.generation, self.attempt, self.store = generation, attempt, store
-        self.record, self.allow_divergent = record, allow_divergent
+        self.generation, self.attempt = generation_attempt
+        self.store, self._record, self.allow_divergent = store, record, allow_divergent
         self.node, self.nodes = _placement(tier, rank, world_size)
         if world_size > 1 and store is None:
             raise ValueError(
@@ -221,7 +223,7 @@ class MemorySaver:
                 "store is how their memory saves agree)"
             )
         self.root = tier.root or default_root(path)
-        self._key = f"ckptd/memory/{path}/{attempt}"
+        self._key = f"ckptd/memory/{path}/{self.attempt}"
         if store is None or rank == 0:
             self.token = job_token(storage, token)
             if store is not None:  # as the coordinator's token is (ckpt._connect)
@@ -231,8 +233,8 @@ class MemorySaver:
             self.token = store.get(f"{self._key}/token").decode()
         self.agent = ensure_agent(self.root, self.node, self.token, tier)
         self.storage = LocalStorage(self.root, direct_io=False, early_writeback=False)
-        if self.store is not None:
-            self.store.set(f"{self._key}/agent/{self.node}", self.agent.address)
+        if store is not None:
+            store.set(f"{self._key}/agent/{self.node}", self.agent.address)
         self._peers: dict[int, AgentClient] = {}
         self._image = HostImage()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-memory")
@@ -299,7 +301,9 @@ class MemorySaver:
         t0 = time.perf_counter()
         node, leaves = flatten(state, rank=self.rank, keep_device=True)
         ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
-        job = SaveJob(self.storage, ref, node, metadata, SaveOptions(verify="size"), leaves, self._image)
+        job = SaveJob(
+            self.storage, ref, node, metadata, SaveOptions(verify="size"), leaves, self._image
+        )
         del leaves
         pending = PendingSave(step)
         pending.timings.blocking_s = pending.timings.staging_s = time.perf_counter() - t0
@@ -351,13 +355,26 @@ class MemorySaver:
         plans, states = {}, {}
         for r, doc in self._gather(step, "plan").items():
             if doc.get("skip"):
-                raise SaveFailed(f"job {self.path!r} step {step}: rank {r} skipped this memory save")
+                raise SaveFailed(
+                    f"job {self.path!r} step {step}: rank {r} skipped this memory save"
+                )
             plans[r] = [planning.ChunkPlan(**_tuples(c)) for c in doc["plan"]]
             states[r] = doc["state"]
-        write = planning.assign(plans, allow_divergent=self.allow_divergent).write.get(self.rank, [])
+        write = planning.assign(plans, allow_divergent=self.allow_divergent).write.get(
+            self.rank, []
+        )
         size = job.shard_size(write)
-        names = [layout.shard_name(self.rank, self.generation), layout.index_name(self.rank, self.generation)]
-        self.agent.call("prepare", f"job {self.path!r} step {step} rank {self.rank}", step=step, files=names, nbytes=size)
+        names = [
+            layout.shard_name(self.rank, self.generation),
+            layout.index_name(self.rank, self.generation),
+        ]
+        self.agent.call(
+            "prepare",
+            f"job {self.path!r} step {step} rank {self.rank}",
+            step=step,
+            files=names,
+            nbytes=size,
+        )
         try:
             info = job.write(write, digests, ShardWriteStats())
         except BaseException:
@@ -365,9 +382,17 @@ class MemorySaver:
             raise
         peers = [self.agent_of(n).address for n in self.ring()]
         reply, _ = self.agent.call(
-            "seal", f"job {self.path!r} step {step} rank {self.rank}", step=step, shard=info.to_json(), replicas=peers
+            "seal",
+            f"job {self.path!r} step {step} rank {self.rank}",
+            step=step,
+            shard=info.to_json(),
+            replicas=peers,
         )
-        self._post(step, "held", {"shard": info.to_json(), "held_on": reply["held_on"], "failures": reply["failures"]})
+        self._post(
+            step,
+            "held",
+            {"shard": info.to_json(), "held_on": reply["held_on"], "failures": reply["failures"]},
+        )
         if self.rank == 0:
             if after is not None:
                 after.join()
@@ -406,18 +431,32 @@ class MemorySaver:
         on = []
         for node in range(self.nodes):
             try:
-                reply, _ = self.agent_of(node).call("commit", f"job {self.path!r} step {step}", [data], step=step)
+                reply, _ = self.agent_of(node).call(
+                    "commit", f"job {self.path!r} step {step}", [data], step=step
+                )
             except (CkptError, OSError) as e:
-                log.error("job %s step %d: node %d's agent did not commit: %s", self.path, step, node, e)
+                log.error(
+                    "job %s step %d: node %d's agent did not commit: %s", self.path, step, node, e
+                )
                 continue
             if not reply["missing"]:
                 on.append(node)
         if len(on) < need:
             self.record(step, TIER_FAILED, f"committed on nodes {on} only")
-            raise SaveFailed(f"job {self.path!r} step {step}: memory commit reached nodes {on} only")
+            raise SaveFailed(
+                f"job {self.path!r} step {step}: memory commit reached nodes {on} only"
+            )
         self.record(step, TIER_HELD, f"nodes {on}")
         log.info("job %s step %d: memory checkpoint committed on nodes %s", self.path, step, on)
         self._forget(step)
+
+    def record(self, step: int, status: str, reason: str) -> None:
+        try:
+            self._record(step, status, reason)
+        except CkptError as e:  # the catalog's view only: the agents' commit stands
+            log.warning(
+                "job %s step %d: memory tier not recorded in the catalog: %s", self.path, step, e
+            )
 
     # -- the store: what the ranks of one memory save tell each other ---------------------
     def _post(self, step: int, what: str, doc: dict[str, Any]) -> None:
