@@ -162,13 +162,30 @@ def test_both_nodes_lost_resume_from_storage(tmp_path, shm, reference, tally):
 
 
 @pytest.mark.slow
-def test_the_agents_budget_holds_under_a_save_loop(tmp_path, shm):
-    # Each rank holds ~1 MiB; a node holds its two ranks' shards and the peer's two.
-    spec = spec_for(shm, steps=16, memory_every=1, every=100, max_steps=3, budget_probe=True)
+def test_the_agents_budget_holds_under_a_save_loop(tmp_path, shm, tally):
+    # Each rank's shard is ~1 MiB; a node holds its two ranks' shards and the peer's two:
+    # ~4 MiB a step, so 10 MiB holds two steps and the step count (3) never binds first.
+    budget = 10 << 20
+    spec = spec_for(
+        shm, steps=16, memory_every=1, every=100, max_steps=3, max_bytes=budget, budget_probe=True
+    )
     results = run_job(tmp_path / "job", tmp_path / "out", spec)
     for r in results:
-        for u in r["usage"]:
-            assert len(u["steps"]) <= 3, u
         assert len(r["usage"]) == 16
+        for u in r["usage"]:
+            assert u["bytes"] <= budget and len(u["steps"]) <= 3, u
+        assert set(r["memory"].values()) == {"placed"}, r["memory"]
     held = sorted(p.name for p in (shm / "node0").iterdir() if p.name.startswith("step-"))
-    assert 1 <= len(held) <= 3 and held[-1] == layout.step_dir(16)
+    assert held[-1] == layout.step_dir(16) and len(held) == 2
+
+
+@pytest.mark.slow
+def test_a_shard_over_the_budget_is_refused_and_training_goes_on(tmp_path, shm, tally):
+    spec = spec_for(shm, steps=6, memory_every=2, every=5, max_bytes=512 << 10)
+    with tally.bad_input("memory:over-budget"):
+        results = run_job(tmp_path / "job", tmp_path / "out", spec)
+        for r in results:
+            outcomes = [r["memory"][k] for k in ("2", "4", "6")]
+            assert all("MemoryBudgetExceeded" in o and "max_bytes=524288" in o for o in outcomes)
+            assert r["final"] == 6
+        assert (tmp_path / "job" / layout.step_dir(5) / layout.MANIFEST_NAME).exists()

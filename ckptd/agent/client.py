@@ -25,7 +25,9 @@ from ckptd.storage.base import ReadHandle, Storage, WriteHandle
 class AgentClient:
     def __init__(self, address: str, token: str, *, timeout_s: float = 600.0):
         self.address, self.token, self.timeout_s = address, token, timeout_s
-        self._local = threading.local()
+        self._local = threading.local()  # one connection per thread (reads run in pools)
+        self._all: set[socket.socket] = set()
+        self._lock = threading.Lock()
 
     def _sock(self) -> socket.socket:
         sock = getattr(self._local, "sock", None)
@@ -34,13 +36,26 @@ class AgentClient:
             sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._local.sock = sock
+            with self._lock:
+                self._all.add(sock)
         return sock
 
-    def close(self) -> None:
+    def _drop(self) -> None:
+        """Close this thread's connection (after an error: the stream may be mid-frame)."""
         sock = getattr(self._local, "sock", None)
         if sock is not None:
-            sock.close()
             self._local.sock = None
+            with self._lock:
+                self._all.discard(sock)
+            sock.close()
+
+    def close(self) -> None:
+        """Close every thread's connection."""
+        self._local = threading.local()
+        with self._lock:
+            socks, self._all = self._all, set()
+        for sock in socks:
+            sock.close()
 
     def call(
         self, op: str, what: str, payload: Iterable[Any] = (), **fields: Any
@@ -61,7 +76,7 @@ class AgentClient:
                 data = wire.recv_payload(sock, reply, 1 << 31)
                 break
             except (OSError, ValueError) as e:
-                self.close()
+                self._drop()
                 if attempt == 1 or pieces:
                     raise StorageError(
                         errno.ECONNREFUSED,
@@ -69,7 +84,7 @@ class AgentClient:
                         f"({type(e).__name__}: {e})",
                     ) from e
         if not reply.get("ok") and reply.get("error", {}).get("type") == "Unauthenticated":
-            self.close()  # the agent hangs up on a refused token
+            self._drop()  # the agent hangs up on a refused token
         wire.raise_for(reply, what)
         return reply, data
 

@@ -92,11 +92,22 @@ class Holdings:
             out.append(_Step(step, size, committed, newest))
         return out
 
+    def _pending_bytes(self) -> int:
+        """Reserved bytes not yet on disk: a shard being written counts once, as the
+        larger of its reservation and what its file already holds."""
+        out = 0
+        for (_, path), n in self._reserved.items():
+            try:
+                out += max(0, n - os.stat(self.storage.full(path)).st_size)
+            except OSError:
+                out += n
+        return out
+
     def usage(self) -> dict[str, Any]:
         with self._lock:
             held = self.steps()
             return {
-                "bytes": sum(s.bytes for s in held) + sum(self._reserved.values()),
+                "bytes": sum(s.bytes for s in held) + self._pending_bytes(),
                 "steps": sorted(s.step for s in held),
                 "committed": sorted(s.step for s in held if s.committed),
                 "budget": dataclasses.asdict(self.budget),
@@ -113,7 +124,7 @@ class Holdings:
             )
         while True:
             held = self.steps()
-            used = sum(s.bytes for s in held) + sum(self._reserved.values())
+            used = sum(s.bytes for s in held) + self._pending_bytes()
             n_steps = len({s.step for s in held} | {step} | {k for k, _ in self._reserved})
             over_bytes = b.max_bytes is not None and used + nbytes > b.max_bytes
             over_steps = b.max_steps is not None and n_steps > b.max_steps

@@ -123,7 +123,7 @@ class _Handler(socketserver.BaseRequestHandler):
         if op == "usage":
             return {"usage": hold.usage()}, [], True
         if op == "prepare":
-            hold.prepare(int(h["step"]), [str(f) for f in h["files"]], int(h["nbytes"]))
+            hold.prepare(int(h["step"]), [str(f) for f in h["files"]], int(h["size"]))
             return {}, [], True
         if op == "release":
             hold.release(int(h["step"]), [str(f) for f in h["files"]])

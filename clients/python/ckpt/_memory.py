@@ -373,7 +373,7 @@ class MemorySaver:
             f"job {self.path!r} step {step} rank {self.rank}",
             step=step,
             files=names,
-            nbytes=size,
+            size=size,
         )
         try:
             info = job.write(write, digests, ShardWriteStats())
