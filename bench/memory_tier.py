@@ -156,7 +156,9 @@ def main() -> None:
     shm = tempfile.mkdtemp(prefix="ckptd-bench-", dir="/dev/shm")
     job = str(work / "job")
     try:
-        floor = [launch(job, shm, work / "out", "floor", args.gib_per_node)[0] for _ in range(args.reps)]
+        floor = [
+            launch(job, shm, work / "out", "floor", args.gib_per_node)[0] for _ in range(args.reps)
+        ]
         _, train = launch(job, shm, work / "out", "train", args.gib_per_node)
         rows: dict[str, dict[str, list[float]]] = {}
         for tier, lost in (("memory", ()), ("peer", (1,)), ("storage", (0, 1))):

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
@@ -104,6 +105,10 @@ def test_a_killed_rank_resumes_from_its_own_nodes_memory(tmp_path, shm, referenc
         assert [r["resumed"] for r in results] == [6] * WORLD
         assert [r["tier"] for r in results] == ["memory"] * WORLD
         assert [r["digest"] for r in results] == [r["digest"] for r in reference]
+    # The catalog records which tiers hold each step: step 6 is held in memory.
+    with sqlite3.connect(job / ".ckptd" / "catalog.sqlite") as db:
+        rows = dict(db.execute("SELECT step, status FROM tiers WHERE tier='memory'").fetchall())
+    assert rows.get(6) == "HELD" and rows.get(8) == "HELD", rows
 
 
 @pytest.mark.slow
