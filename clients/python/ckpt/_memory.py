@@ -63,6 +63,7 @@ from ckptd.storage.local import LocalStorage
 log = logging.getLogger("ckpt")
 
 TOKEN_FILE = ".ckptd-agent-token"
+_STARTED: list[subprocess.Popen[bytes]] = []
 AGENT_FILE = "agent.json"
 
 
@@ -169,6 +170,7 @@ def ensure_agent(root: str, node: int, token: str, tier: MemoryTier) -> AgentCli
                 start_new_session=True,  # outlives this rank (and its process group's signals)
                 close_fds=True,
             )
+        _STARTED.append(proc)  # it outlives this process: never reaped, never collected
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             client = _answering(info_path, token)
