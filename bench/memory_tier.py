@@ -62,11 +62,18 @@ def _rank(rank: int, port: int, job: str, shm: str, out: str, mode: str, gib: fl
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     res: dict[str, Any] = {"rank": rank}
     if mode == "floor":
+        dist.barrier()  # rank 0 hosts the store: nobody leaves before all have joined
         res["first_step_unix"] = time.time()
         _write(out, rank, res)
         os._exit(0)
+    import logging
+
     import ckpt
 
+    logging.basicConfig(
+        level=logging.INFO if os.environ.get("BENCH_LOG") else logging.WARNING,
+        format=f"%(asctime)s rank{rank} %(name)s %(message)s",
+    )
     node = rank // 2
     n = int(gib * (1 << 30) / 2 / 4)
     g = torch.Generator().manual_seed(rank)
