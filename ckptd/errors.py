@@ -14,6 +14,7 @@
     ├── StorageError(OSError)                   an I/O call failed while saving or loading
     ├── InvalidRequest(ValueError)              a malformed request to the coordinator
     ├── Unauthenticated(PermissionError)        wrong or missing coordinator token
+    ├── MemoryBudgetExceeded                    a memory agent's budget refused a shard
     ├── CoordinatorUnavailable(ConnectionError) the coordinator cannot be reached
     ├── JobInUse                                another process's coordinator has the job open
     ├── MirrorIncomplete                        a rank's copy never reached the mirror
@@ -98,6 +99,10 @@ class Unauthenticated(CkptError, PermissionError):
     pass
 
 
+class MemoryBudgetExceeded(CkptError):
+    """A memory agent refused a shard that does not fit its budget (max steps / bytes)."""
+
+
 class CoordinatorUnavailable(CkptError, ConnectionError):
     pass
 
@@ -149,6 +154,7 @@ __all__ = [
     "InvalidRequest",
     "LayoutUnknown",
     "Unauthenticated",
+    "MemoryBudgetExceeded",
     "CoordinatorUnavailable",
     "JobInUse",
     "MirrorIncomplete",

@@ -1,4 +1,5 @@
-"""`ckptd serve` runs the coordinator; `ckptd rebuild-catalog` recreates its catalog.
+"""`ckptd serve` runs the coordinator; `ckptd rebuild-catalog` recreates its catalog;
+`ckptd agent` runs a node's memory agent (ckptd.cli.agent).
 
     ckptd serve --root /ckpts --listen 0.0.0.0:7070 [--create-root]
                 [--catalog /var/lib/ckptd/catalog.sqlite]
@@ -29,6 +30,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from ckptd.cli import agent
 from ckptd.coordinator.catalog import Catalog, CatalogLock
 from ckptd.coordinator.core import Coordinator
 from ckptd.errors import CkptError
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="address the metrics endpoint binds (default: the host of --listen)",
     )
     s.add_argument("--metrics-port-file", help="write the metrics port here once serving")
+    agent.add_parser(sub)
     r = sub.add_parser("rebuild-catalog", help="recreate the catalog from the manifests in storage")
     r.add_argument("--root", required=True)
     r.add_argument("--catalog")
@@ -289,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             service_gc()
             return asyncio.run(serve(args))
+        if args.command == "agent":
+            return agent.run(args)
         return rebuild(args)
     except CkptError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -14,6 +14,7 @@ from ckpt._api import apply_retention, load, save
 from ckpt._checkpointer import Checkpointer
 from ckpt._default import init, resume, wait
 from ckpt._flatten import PerRank
+from ckpt._memory import MemoryTier
 from ckpt._pending import PendingSave
 from ckpt._restore import LoadResult
 from ckpt._results import SaveResult
@@ -28,6 +29,7 @@ from ckptd.errors import (
     HashMismatch,
     InvalidManifest,
     JobInUse,
+    MemoryBudgetExceeded,
     PeerReadFailed,
     SaveAborted,
     SaveFailed,
@@ -61,6 +63,8 @@ __all__ = [
     "InvalidManifest",
     "PeerReadFailed",
     "JobInUse",
+    "MemoryBudgetExceeded",
+    "MemoryTier",
     "LoadResult",
     "SaveResult",
     "ShardMissing",

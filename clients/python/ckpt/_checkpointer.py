@@ -26,9 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckpt import _hooks, _resume, _world
-from ckpt._connect import connect
+from ckpt._connect import connect, wait_for_closed
 from ckpt._flatten import flatten
 from ckpt._load import load_from_tiers
+from ckpt._memory import MemorySaver, MemoryTier
 from ckpt._mirror import MirrorUploader
 from ckpt._pending import PendingSave
 from ckpt._protocol import RankSave
@@ -60,6 +61,9 @@ class Checkpointer:
         committed there too (ckpt._mirror); loads fall back to it (ckpt._load).
     mirror_keep_last: retention in the mirror (None: keep all); independent of keep_last.
     mirror_close_timeout_s: how long close() waits for the last copy to the mirror.
+    memory: a MemoryTier: maybe_save also takes memory checkpoints every `memory.every`
+        steps, held by each node's agent in shared memory and on a peer node; resume
+        prefers them (ckpt._memory, docs/memory-tier.md).
     attempt: names this launch of the job (see ckpt._world); older attempts are fenced.
     save_on_preemption: install handlers for `preemption_signals` (default SIGTERM and
         SIGUSR1) that only note the signal; the next maybe_save() finishes the save in
@@ -90,6 +94,7 @@ class Checkpointer:
         mirror: str | os.PathLike[str] | Storage | None = None,
         mirror_keep_last: int | None = None,
         mirror_close_timeout_s: float = 600.0,
+        memory: MemoryTier | None = None,
     ):
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
@@ -155,7 +160,13 @@ class Checkpointer:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
         # The process group's store: ranks agree on resume and preemption steps through it.
         self._store = _world.dist_store() if self.world_size > 1 else None
+        self._memory = None if memory is None else MemorySaver(
+            memory, self.path, self.storage, self._store, token, (self.rank, self.world_size),
+            (self.generation, self.attempt), allow_divergent=allow_divergent_replicas,
+            record=lambda step, status, why: self._record_tier("memory", step, status, why),
+        )  # fmt: skip
         self._last_step: int | None = None  # the newest step saved or resumed here
+        self.last_load: LoadResult | None = None
         # The step the next save descends from (its manifest's parent): the step last saved
         # or loaded here; _JOB_HEAD before either (the job's live head, looked up once).
         self._parent: int | None | _Unset = _JOB_HEAD
@@ -404,6 +415,7 @@ class Checkpointer:
             read=read,
         )
         self._parent = self._parent_before = res.step
+        self.last_load = res  # which step and tier (resume returns only the step)
         return res
 
     def _catalog_blake3(self, step: int) -> str | None:
@@ -412,6 +424,8 @@ class Checkpointer:
         try:
             info = self.client.get_checkpoint(self.path, step)
         except (CheckpointNotFound, CoordinatorUnavailable) as e:
+            if self._memory is not None and isinstance(e, CheckpointNotFound):
+                return None  # a memory step: its agents' commit is its record (ckpt._memory)
             # Storage alone describes a checkpoint (promise 6): a restore never depends on
             # the coordinator being up, so this check is skipped, loudly, when it is not.
             log.warning(
@@ -428,8 +442,10 @@ class Checkpointer:
 
     @property
     def tiers(self) -> list[tuple[str, Any]]:
-        """(name, Storage) of each tier, nearest first: "local" (the job's path), "mirror"."""
-        out: list[tuple[str, Any]] = [("local", self.storage)]
+        """(name, Storage) of each tier, nearest first: "memory" (this node's) and "peer"
+        (another node's) with a memory tier, "local" (the job's path), "mirror"."""
+        out: list[tuple[str, Any]] = self._memory.tiers() if self._memory is not None else []
+        out.append(("local", self.storage))
         if self.mirror_storage is not None:
             out.append(("mirror", self.mirror_storage))
         return out
@@ -438,14 +454,17 @@ class Checkpointer:
         if tier == "local":
             self._quarantined(step, reason)
         else:
-            self._record_mirror(step, "FAILED", f"quarantined: {reason}")
+            kind = "mirror" if tier == "mirror" else "memory"
+            self._record_tier(kind, step, "FAILED", f"{tier} copy quarantined: {reason}")
 
     def _record_mirror(self, step: int, status: str, reason: str) -> None:
-        """The coordinator's catalog records what the mirror holds (RecordTier)."""
-        if self.mirror_storage is not None:
-            self.client.record_tier(
-                self.path, step, "mirror", self.mirror_storage.url, status, reason
-            )
+        self._record_tier("mirror", step, status, reason)
+
+    def _record_tier(self, tier: str, step: int, status: str, reason: str) -> None:
+        """The coordinator's catalog records what the mirror / memory holds (RecordTier)."""
+        place = self._memory if tier == "memory" else self.mirror_storage
+        if place is not None:
+            self.client.record_tier(self.path, step, tier, place.url, status, reason)
 
     def _quarantined(self, step: int, reason: str) -> None:
         """A load found `step` corrupt: record it in the coordinator's catalog too."""
@@ -516,9 +535,34 @@ class Checkpointer:
             stop = self._stop_plan.poll(step, _hooks.received(), inflight)
             if stop is not None:
                 return self._last_checkpoint(state, step, metadata, stop)
-        if every is not None and step % every == 0 and step != self._last_step:
+        if step == self._last_step:
+            return None
+        if every is not None and step % every == 0:
             return self.save(state, step, metadata=metadata)
+        if self._memory is not None and step % self._memory.tier.every == 0:
+            return self.save_memory(state, step, metadata=metadata)
         return None
+
+    def save_memory(
+        self, state: Any, step: int, *, metadata: dict[str, Any] | None = None
+    ) -> PendingSave:
+        """A memory checkpoint of `state` as `step` (needs memory=MemoryTier(...)): staged
+        now, placed and committed in the background (ckpt._memory); its failure is logged
+        and kept in the PendingSave, never raised into training."""
+        self._check_open()
+        if self._memory is None:
+            raise ValueError(f"job {self.path!r}: save_memory needs Checkpointer(memory=...)")
+        layout.check_step(step)
+        parent = self._parent
+        if isinstance(parent, _Unset):
+            parent = ckfmt.latest_step(self.storage)
+        prev = self._inflight if self._inflight is not None and not self._inflight.done() else None
+        pending = self._memory.save(
+            state, step, parent=parent, metadata=check_metadata(metadata), after=prev
+        )
+        if not pending.skipped:
+            self._last_step = self._parent = step
+        return pending
 
     @property
     def preempted(self) -> int | None:
@@ -529,51 +573,17 @@ class Checkpointer:
     def _last_checkpoint(
         self, state: Any, step: int, metadata: dict[str, Any] | None, stop: _hooks.Stop
     ) -> PendingSave | None:
-        """Finish the save in flight or take one last checkpoint; then exit (or report).
-
-        Every rank decides the same way: `stop` is shared, the saves issued so far are
-        the same on every rank (they follow the steps), and a save commits or aborts for
-        all ranks at once.
-        """
-        name = _hooks.signal_name(stop.signum)
-        log.warning(
-            "job %s rank %d: %s received (rank %d saw it first); taking the last checkpoint at step %d",
-            self.path,
-            self.rank,
-            name,
-            stop.rank,
-            step,
-        )
+        """Finish the save in flight or take one last checkpoint; then exit (or report)."""
         self._stopped = True
-        final = self._inflight
-        if final is not None:
-            final.join()
-            failure = final.take_unseen_error() or final.error
-            if failure is not None:
-                log.error(
-                    "job %s: the save of step %d failed (%s); taking a new one at step %d",
-                    self.path,
-                    final.step,
-                    failure,
-                    step,
-                )
-                final = None
-            elif stop.inflight is None and final.step != step:
-                final = None  # nothing was in flight when the signal came: save this step
-        if final is None:
-            final = self.save(state, step, metadata=metadata, blocking=True)
-        result = final.wait()
-        log.warning(
-            "job %s rank %d: last checkpoint: step %d committed (%s); %s",
-            self.path,
-            self.rank,
-            final.step,
-            result.path if result is not None else "-",
-            f"exiting as {name} asks" if self.exit_on_preemption else "stop the loop now",
+        return _hooks.last_checkpoint(
+            job=self.path,
+            rank=self.rank,
+            stop=stop,
+            step=step,
+            inflight=self._inflight,
+            save=lambda: self.save(state, step, metadata=metadata, blocking=True),
+            exit_after=self.exit_on_preemption,
         )
-        if self.exit_on_preemption:
-            _hooks.exit_for(stop.signum)
-        return final
 
     # -- lifecycle ---------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -599,6 +609,8 @@ class Checkpointer:
                 p.join()
             if self._mirror is not None:
                 self._mirror.close(self.mirror_close_timeout_s)
+            if self._memory is not None:
+                self._memory.close()
             self._wait_for_peers()
             self._closed = True
             self._worker.shutdown(wait=True)
@@ -635,26 +647,14 @@ class Checkpointer:
             # Signalled but leaving before a safe point (an exception on the way out, e.g. a
             # peer died): the launcher is tearing the job down; do not make it wait longer.
             return
-        key = f"ckptd/closed/{self.path}/{self.attempt}"
-        try:
-            n = self._store.add(key, 1)  # type: ignore[attr-defined]
-            if self._conn.embedded is None:
-                return
-            deadline = time.monotonic() + timeout_s
-            while n < self.world_size and time.monotonic() < deadline:
-                time.sleep(0.02)
-                n = self._store.add(key, 0)  # type: ignore[attr-defined]
-            if n < self.world_size:
-                log.warning(
-                    "job %s: %d of %d ranks closed their Checkpointer within %.0f s; "
-                    "stopping the coordinator anyway",
-                    self.path,
-                    n,
-                    self.world_size,
-                    timeout_s,
-                )
-        except Exception as e:  # noqa: BLE001 - the store is gone (the job is ending): go on
-            log.debug("job %s: could not wait for the other ranks to close: %s", self.path, e)
+        wait_for_closed(
+            self._store,
+            f"ckptd/closed/{self.path}/{self.attempt}",
+            self.world_size,
+            hosting=self._conn.embedded is not None,
+            job=self.path,
+            timeout_s=timeout_s,
+        )
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -280,3 +281,30 @@ def _shared_attempt(path: str, rank: int, world_size: int) -> str:
     if rank == 0:
         store.set(key, str(uuid.uuid4()))  # type: ignore[attr-defined]
     return str(store.get(key).decode())  # type: ignore[attr-defined]
+
+
+def wait_for_closed(
+    store: Any, key: str, world_size: int, *, hosting: bool, job: str, timeout_s: float
+) -> None:
+    """Count this rank closed under `key`; the rank hosting the coordinator then waits
+    (bounded) for every rank, since another may still wait for its last commit answer and
+    stopping the coordinator under it would turn a committed save into an error there."""
+    try:
+        n = store.add(key, 1)
+        if not hosting:
+            return
+        deadline = time.monotonic() + timeout_s
+        while n < world_size and time.monotonic() < deadline:
+            time.sleep(0.02)
+            n = store.add(key, 0)
+        if n < world_size:
+            log.warning(
+                "job %s: %d of %d ranks closed their Checkpointer within %.0f s; "
+                "stopping the coordinator anyway",
+                job,
+                n,
+                world_size,
+                timeout_s,
+            )
+    except Exception as e:  # noqa: BLE001 - the store is gone (the job is ending): go on
+        log.debug("job %s: could not wait for the other ranks to close: %s", job, e)

@@ -24,8 +24,10 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
+
+from ckpt._pending import PendingSave
 
 log = logging.getLogger("ckpt")
 
@@ -212,3 +214,60 @@ class StopPlan:
         except Exception as e:  # noqa: BLE001 - keep training; this rank's own signal still works
             log.debug("rank %d: polling the preemption key failed: %s", self.rank, e)
         return None
+
+
+def last_checkpoint(
+    *,
+    job: str,
+    rank: int,
+    stop: Stop,
+    step: int,
+    inflight: PendingSave | None,
+    save: Callable[[], PendingSave],
+    exit_after: bool,
+) -> PendingSave:
+    """A Checkpointer's safe point after a signal: finish the save in flight or take one
+    last blocking checkpoint (`save`) at `step`; then exit as the signal asked, or return.
+
+    Every rank decides the same way: `stop` is shared, the saves issued so far are the
+    same on every rank (they follow the steps), and a save commits or aborts for all ranks
+    at once.
+    """
+    name = signal_name(stop.signum)
+    log.warning(
+        "job %s rank %d: %s received (rank %d saw it first); taking the last checkpoint at step %d",
+        job,
+        rank,
+        name,
+        stop.rank,
+        step,
+    )
+    final = inflight
+    if final is not None:
+        final.join()
+        failure = final.take_unseen_error() or final.error
+        if failure is not None:
+            log.error(
+                "job %s: the save of step %d failed (%s); taking a new one at step %d",
+                job,
+                final.step,
+                failure,
+                step,
+            )
+            final = None
+        elif stop.inflight is None and final.step != step:
+            final = None  # nothing was in flight when the signal came: save this step
+    if final is None:
+        final = save()
+    result = final.wait()
+    log.warning(
+        "job %s rank %d: last checkpoint: step %d committed (%s); %s",
+        job,
+        rank,
+        final.step,
+        result.path if result is not None else "-",
+        f"exiting as {name} asks" if exit_after else "stop the loop now",
+    )
+    if exit_after:
+        exit_for(stop.signum)
+    return final

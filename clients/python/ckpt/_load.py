@@ -1,7 +1,7 @@
 """The load policy: which step, which copy, what a failure means. One function for every load.
 
-A job has one tier (its directory) or several, nearest first (the directory, then a
-mirror); a load is `load_from_tiers(tiers, state, ...)` either way. Restoring one step
+A job has one tier (its directory) or several, nearest first (this node's memory and a
+peer node's with a memory tier, ckpt._memory; the directory; a mirror); a load is `load_from_tiers(tiers, state, ...)` either way. Restoring one step
 from one storage is ckpt._restore's; this module decides around it:
 
 - Which step. An explicit `step` is that step, whatever markers say. Otherwise the head of
@@ -329,7 +329,7 @@ def _try_step(
         if not explicit and name not in held.get(at, []):
             continue
         try:
-            return prepare(st, at).read(reader.alone()), failures
+            return dataclasses.replace(prepare(st, at).read(reader.alone()), tier=name), failures
         except BaseException as e:  # noqa: BLE001 - the caller raises it once the ranks agree
             if _failed(failures, tiers, name, st, at, e, quarantine, on_quarantine, rank):
                 return None, failures
@@ -384,6 +384,7 @@ def _try_step_shared(
         if prepared is not None:
             try:
                 res = prepared.read(reader.together(said) if together else reader.alone())
+                res = dataclasses.replace(res, tier=name)
                 done = True
             except BaseException as e:  # noqa: BLE001 - raised by the caller once agreed
                 done = _failed(failures, tiers, name, st, at, e, quarantine, on_quarantine, rank)

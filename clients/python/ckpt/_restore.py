@@ -67,6 +67,9 @@ class LoadResult:
     fell_back_from: int | None = None
     fallback_reason: str | None = None
     quarantined: list[int] = dataclasses.field(default_factory=list)
+    # The tier every shard this rank read came from (ckpt._load: "memory" this node's,
+    # "peer" another node's, "local" the job's directory, "mirror"); "" outside a tier.
+    tier: str = ""
 
     @property
     def gbps(self) -> float:

@@ -156,6 +156,11 @@ class SaveJob:
         )
         return info
 
+    def shard_size(self, assigned: list[int]) -> int:
+        """The packed shard file's size once `assigned` are its entries (fixes the layout)."""
+        self._assign(assigned)
+        return self.size
+
     def written_bytes(self, assigned: list[int]) -> int:
         return sum(self.items[i].data.nbytes for i in assigned)
 
