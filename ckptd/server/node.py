@@ -240,8 +240,8 @@ class NodeBatcher:
         every = max(0.05, s.lease_s / 3)
         while s.final is None:
             await asyncio.sleep(every)
-            if s.final is not None:  # ended while asleep (another node aborted it, say)
-                return
+            if s.final is not None or any(a.status in FINAL for a in s.status.values()):
+                return  # ended while asleep (another node aborted it, say)
             now = time.monotonic()
             waiting = [r for r in sorted(s.refs) if r not in s.reported]
             if not waiting:
