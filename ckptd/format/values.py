@@ -358,45 +358,38 @@ def decode(node: Any, tensor: Callable[[str, str], Any]) -> Any:
 # the slots (ckptd.coordinator.planning.merge_states).
 
 
+def _map_per_rank(node: Any, visit: Callable[[Any], Any]) -> Any:
+    """The tree rebuilt with each outermost per-rank node replaced by visit(its body), in
+    walk order."""
+    if not isinstance(node, dict) or len(node) != 1:
+        return node
+    ((tag, body),) = node.items()
+    if tag in ("list", "tuple"):
+        return {tag: [_map_per_rank(c, visit) for c in body]}
+    if tag == "dict":
+        return {"dict": [[k, _map_per_rank(v, visit)] for k, v in body]}
+    if tag == "stateful":
+        return {"stateful": _map_per_rank(body, visit)}
+    if tag == "per_rank":
+        return visit(body)
+    return node
+
+
 def split_per_rank(node: Any) -> tuple[Any, list[list[Any]]]:
     """(the tree with every per-rank node's entries taken out, the entries of each per-rank
     node in walk order). join_per_rank puts them back."""
     slots: list[list[Any]] = []
 
-    def walk(n: Any) -> Any:
-        if not isinstance(n, dict) or len(n) != 1:
-            return n
-        ((tag, body),) = n.items()
-        if tag in ("list", "tuple"):
-            return {tag: [walk(c) for c in body]}
-        if tag == "dict":
-            return {"dict": [[k, walk(v)] for k, v in body]}
-        if tag == "stateful":
-            return {"stateful": walk(body)}
-        if tag == "per_rank":
-            slots.append(body)
-            return {"per_rank": []}
-        return n
+    def take(body: Any) -> Any:
+        slots.append(body)
+        return {"per_rank": []}
 
-    return walk(node), slots
+    return _map_per_rank(node, take), slots
 
 
 def count_per_rank(node: Any) -> int:
     """How many per-rank nodes a (validated) tree holds, outermost ones only."""
-    count, stack = 0, [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, dict):
-            ((tag, body),) = n.items()
-            if tag in ("list", "tuple"):
-                stack.extend(body)
-            elif tag == "dict":
-                stack.extend(v for _, v in body)
-            elif tag == "stateful":
-                stack.append(body)
-            elif tag == "per_rank":
-                count += 1
-    return count
+    return len(split_per_rank(node)[1])
 
 
 def check_rank_entries(entries: Any, slots: int, where: str) -> None:
@@ -418,24 +411,13 @@ def join_per_rank(node: Any, entries: Sequence[Sequence[Sequence[Any]]]) -> Any:
     one value), as when whole trees are merged."""
     counter = iter(range(1 << 62))
 
-    def walk(n: Any) -> Any:
-        if not isinstance(n, dict) or len(n) != 1:
-            return n
-        ((tag, body),) = n.items()
-        if tag in ("list", "tuple"):
-            return {tag: [walk(c) for c in body]}
-        if tag == "dict":
-            return {"dict": [[k, walk(v)] for k, v in body]}
-        if tag == "stateful":
-            return {"stateful": walk(body)}
-        if tag == "per_rank":
-            i = next(counter)
-            merged, seen = [], set()
-            for pair in [*body, *(p for e in entries if e for p in e[i])]:
-                if int(pair[0]) not in seen:
-                    seen.add(int(pair[0]))
-                    merged.append(pair)
-            return {"per_rank": merged}
-        return n
+    def fill(body: Any) -> Any:
+        i = next(counter)
+        merged, seen = [], set()
+        for pair in [*body, *(p for e in entries if e for p in e[i])]:
+            if int(pair[0]) not in seen:
+                seen.add(int(pair[0]))
+                merged.append(pair)
+        return {"per_rank": merged}
 
-    return walk(node)
+    return _map_per_rank(node, fill)
