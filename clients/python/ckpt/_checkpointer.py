@@ -649,7 +649,7 @@ class Checkpointer:
             return
         wait_for_closed(
             self._store,
-            f"ckptd/closed/{self.path}/{self.attempt}",
+            f"ckptd/closed/{self.path}/{self.attempt}/{self._conn.opened}",
             self.world_size,
             hosting=self._conn.embedded is not None,
             job=self.path,

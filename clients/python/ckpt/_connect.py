@@ -53,6 +53,7 @@ class Connection:
     # The save protocol's client: the node's aggregator, or `client` itself.
     save_client: CoordinatorClient | None = None
     aggregator: NodeAggregator | None = None  # hosted here (local rank 0 of a node)
+    opened: int = 1  # the n-th open of this job in this process (its store keys' suffix)
 
     def __post_init__(self) -> None:
         if self.save_client is None:
@@ -120,7 +121,7 @@ def connect(
         if embedded is not None:
             embedded.close()
         raise
-    conn = Connection(client, address, attempt, generation, job_name, embedded)
+    conn = Connection(client, address, attempt, generation, job_name, embedded, opened=opened)
     try:
         _join_node(conn, path, opened, rank, world_size, token)
     except BaseException:
