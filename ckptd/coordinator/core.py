@@ -282,10 +282,7 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
     ) -> BeginResult:
         """One rank's BeginSave (a part of its plan): join the save, then, once every rank
         has joined and the plan is made, the rank's answer (see join_save)."""
-        s = await self.join_save(ref, chunks, **kw)
-        if s is None:
-            return BeginResult("", "", [], self.lease_s, [], complete=False)
-        return await self.planned_answer(s, ref)
+        return await self.planned_answer(await self.join_save(ref, chunks, **kw), ref)
 
     async def join_save(
         self,
@@ -408,8 +405,11 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
             await self._plan(s)
         return s
 
-    async def planned_answer(self, s: Session, ref: SaveRef) -> BeginResult:
-        """A joined rank's answer, once the save's plan is made (the barrier)."""
+    async def planned_answer(self, s: Session | None, ref: SaveRef) -> BeginResult:
+        """A joined rank's answer, once the save's plan is made (the barrier); for a rank
+        whose plan has parts still to come (`s` None), that it is incomplete."""
+        if s is None:
+            return BeginResult("", "", [], self.lease_s, [], complete=False)
         try:
             await asyncio.shield(s.planned)
         except CkptError as e:

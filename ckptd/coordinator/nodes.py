@@ -77,9 +77,8 @@ class Nodes:
     # The core's per-rank BeginSave, in its two halves (keyword arguments as the servicer
     # passes them): join the save, then the answer once the plan is made.
     join_save: Callable[..., Awaitable[Session | None]]
-    planned_answer: Callable[[Session, SaveRef], Awaitable[BeginResult]]
+    planned_answer: Callable[[Session | None, SaveRef], Awaitable[BeginResult]]
     layouts: LayoutCache
-    lease_s: float
 
     async def keep_alive(self, ref: SaveRef, node: str | None = None) -> StatusResult:
         raise NotImplementedError
@@ -131,11 +130,7 @@ class Nodes:
         answers: list[BeginResult] = []
         for ref, s in joined:
             try:
-                answers.append(
-                    await self.planned_answer(s, ref)
-                    if s is not None
-                    else BeginResult("", "", [], self.lease_s, [], complete=False)
-                )
+                answers.append(await self.planned_answer(s, ref))
             except CkptError as e:
                 failed = failed or e
         if failed is not None:
