@@ -34,7 +34,7 @@ from ckptd.coordinator.catalog import Catalog, SaveRecord
 from ckptd.coordinator.nodes import Nodes
 from ckptd.coordinator.queries import Queries
 from ckptd.coordinator.recovery import Recovery, Skipped
-from ckptd.coordinator.reports import Reports
+from ckptd.coordinator.reports import ReportChecks, Reports
 from ckptd.coordinator.session import (
     STEP_MISMATCH_GRACE_S,
     RankPlan,
@@ -111,6 +111,7 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
         self._storages: dict[str, Storage] = {}
         self.sessions: dict[tuple[str, int], Session] = {}
         self.layouts = layouts.LayoutCache()  # the ranks' plan layouts, for cached plans
+        self.report_checks = ReportChecks()  # storage checks of reports arriving together
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._open_lock = asyncio.Lock()
@@ -373,6 +374,7 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
                 await self._abort(s, str(e), kind=type(e), outcome=obs.FAILED)
             raise
         plan = s.plans.get(ref.rank)
+        first_join = plan is None and not s.plans
         if plan is None:
             plan = s.plans[ref.rank] = RankPlan(parts)
         if plan.parts != parts:
@@ -393,7 +395,10 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
         if metadata:
             plan.metadata = metadata
         s.allow_divergent = s.allow_divergent or allow_divergent
-        if step_mismatch(s, self.sessions.values()):
+        # Only a save's first join can make it disjoint from another waiting save (joined
+        # ranks only grow, so a pair disjoint later was disjoint when the later of the two
+        # got its first rank): looked at once a save, not at each of its ranks' joins.
+        if first_join and step_mismatch(s, self.sessions.values()):
             self._spawn(self._abort_step_mismatch(s))
         if not plan.complete:
             return None

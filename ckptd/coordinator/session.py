@@ -23,7 +23,7 @@ from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout, values
 from ckptd.format.manifest import Manifest, load_json, parse_index
 from ckptd.storage import Storage
-from ckptd.storage.base import DirFiles
+from ckptd.storage.base import OpenDirs
 
 log = logging.getLogger("ckptd.coordinator")
 
@@ -177,7 +177,7 @@ class Session:
         error = "" if kind is SaveAborted else kind.__name__
         return StatusResult(self.status, self.reason, self.manifest_blake3, error)
 
-    def check_report(self, st: Storage, rank: int, report: ShardReport, files: Files) -> None:
+    def check_report(self, st: Storage, rank: int, report: ShardReport, files: OpenDirs) -> None:
         """The coordinator's own look at a reported shard (blocking: run in a thread): its
         size, its index's hash, and that the index holds exactly the assigned chunks with
         the planned hashes. `files`: the directories opened for a batch of reports."""
@@ -235,7 +235,7 @@ def check_reports(
     (blocking: run in a thread): a node's reports cost one thread hop, not one a rank. The
     error of each report that fails, else None."""
     out: list[CkptError | None] = []
-    with Files() as files:
+    with OpenDirs() as files:
         for s, st, rank, report in checks:
             try:
                 s.check_report(st, rank, report, files)
@@ -243,30 +243,6 @@ def check_reports(
             except CkptError as e:
                 out.append(e)
     return out
-
-
-class Files:
-    """The directories a batch of report checks looks into, each opened once
-    (Storage.files_in); one that cannot be opened fails only the reports in it."""
-
-    def __init__(self) -> None:
-        self._open: dict[tuple[int, str], DirFiles] = {}
-
-    def where(self, st: Storage, path: str) -> tuple[DirFiles, str]:
-        d, _, name = path.rpartition("/")
-        key = (id(st), d)
-        got = self._open.get(key)
-        if got is None:
-            got = self._open[key] = st.files_in(d)
-        return got, name
-
-    def __enter__(self) -> Files:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for d in self._open.values():
-            d.close()
-        self._open.clear()
 
 
 class SaveIdentity(Protocol):

@@ -45,7 +45,7 @@ from ckptd.format.manifest import (
     parse_manifest,
 )
 from ckptd.format.reader import verify_entries
-from ckptd.storage.base import Storage
+from ckptd.storage.base import OpenDirs, Storage
 
 COMMITTED = "COMMITTED"
 INCOMPLETE = "INCOMPLETE"  # a step directory without a manifest: an unfinished save
@@ -371,11 +371,15 @@ def read_index(storage: Storage, m: Manifest, shard: ShardInfo, *, max_entries: 
     return parse_index(data, manifest=m, shard=shard, max_entries=max_entries, what=where)
 
 
-def check_shard_size(storage: Storage, m: Manifest, shard: ShardInfo) -> None:
+def check_shard_size(
+    storage: Storage, m: Manifest, shard: ShardInfo, dirs: OpenDirs | None = None
+) -> None:
+    """The shard file is there with the manifest's size (`dirs`: a caller's directories
+    opened once for many shards, as `commit`'s)."""
     path = f"{layout.step_dir(m.step)}/{shard.path}"
     where = _where(storage, m.step, shard.path)
     try:
-        size = storage.size(path)
+        size = storage.size(path) if dirs is None else dirs.size(storage, path)
     except ShardMissing as e:
         raise ShardMissing(
             f"{where} (rank {shard.rank} of step {m.step}) is missing: {e}"
@@ -384,6 +388,22 @@ def check_shard_size(storage: Storage, m: Manifest, shard: ShardInfo) -> None:
         raise ShardSizeMismatch(
             f"{where} (rank {shard.rank} of step {m.step}) is {size} bytes, the manifest says "
             f"{shard.size}: truncated or overwritten; load an earlier step"
+        )
+
+
+def _check_shard_files(storage: Storage, m: Manifest, shard: ShardInfo, dirs: OpenDirs) -> None:
+    """A shard and its index are there with the sizes reported (what a commit checks)."""
+    check_shard_size(storage, m, shard, dirs)
+    try:
+        isize = dirs.size(storage, f"{layout.step_dir(m.step)}/{shard.index}")
+    except ShardMissing as e:
+        raise ShardMissing(
+            f"{_where(storage, m.step, shard.index)} (index of rank {shard.rank} of step "
+            f"{m.step}) is missing: {e}"
+        ) from None
+    if isize != shard.index_size:
+        raise ShardSizeMismatch(
+            f"{_where(storage, m.step, shard.index)} changed after it was reported"
         )
 
 
@@ -402,20 +422,9 @@ def begin_step(storage: Storage, step: int) -> None:
 
 def commit(storage: Storage, m: Manifest) -> bytes:
     """Check every shard's presence and size, then write the manifest: the commit point."""
-    for shard in m.shards:
-        check_shard_size(storage, m, shard)
-        ipath = f"{layout.step_dir(m.step)}/{shard.index}"
-        try:
-            isize = storage.size(ipath)
-        except ShardMissing as e:
-            raise ShardMissing(
-                f"{_where(storage, m.step, shard.index)} (index of rank {shard.rank} of step "
-                f"{m.step}) is missing: {e}"
-            ) from None
-        if isize != shard.index_size:
-            raise ShardSizeMismatch(
-                f"{_where(storage, m.step, shard.index)} changed after it was reported"
-            )
+    with OpenDirs() as dirs:  # a step's shards share a directory: opened once, not per file
+        for shard in m.shards:
+            _check_shard_files(storage, m, shard, dirs)
     if sorted(s.rank for s in m.shards) != list(range(m.world_size)):
         raise CorruptCheckpoint(
             f"step {m.step}: shards of ranks {sorted(s.rank for s in m.shards)} reported, "

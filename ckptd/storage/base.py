@@ -227,3 +227,33 @@ class DirFiles:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class OpenDirs:
+    """The directories a batch of lookups goes through (the coordinator's check of a
+    node's reports, a commit's look at every shard), each opened once (Storage.files_in)
+    and closed together; one that cannot be opened fails only the lookups in it."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[int, str], DirFiles] = {}
+
+    def where(self, st: Storage, path: str) -> tuple[DirFiles, str]:
+        """The open directory of `path` (relative to `st`'s root) and the file's name."""
+        d, _, name = path.rpartition("/")
+        key = (id(st), d)
+        got = self._open.get(key)
+        if got is None:
+            got = self._open[key] = st.files_in(d)
+        return got, name
+
+    def size(self, st: Storage, path: str) -> int:
+        d, name = self.where(st, path)
+        return d.size(name)
+
+    def __enter__(self) -> OpenDirs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for d in self._open.values():
+            d.close()
+        self._open.clear()
