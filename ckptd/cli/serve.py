@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -34,7 +33,7 @@ from ckptd.cli import agent
 from ckptd.coordinator.catalog import Catalog, CatalogLock
 from ckptd.coordinator.core import Coordinator
 from ckptd.errors import CkptError
-from ckptd.server import ServerOptions, create_server
+from ckptd.server import ServerOptions, collector, create_server
 from ckptd.server.auth import load_token
 from ckptd.server.metrics import Metrics, MetricsServer
 from ckptd.storage.local import makedirs_durable
@@ -216,6 +215,7 @@ async def _serve_locked(args: argparse.Namespace, token: str | None) -> int:
     print(f"ckptd: serving {core.root} on {host}:{port}", flush=True)
     if args.port_file:
         _write_atomically(args.port_file, str(port))
+    pacer = asyncio.get_running_loop().create_task(collector.pace(core))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -223,6 +223,7 @@ async def _serve_locked(args: argparse.Namespace, token: str | None) -> int:
     await stop.wait()
     log.info("stopping: finishing in-flight calls")
     await server.stop(grace=10)
+    pacer.cancel()
     await core.close()
     catalog.close()
     if metrics_server is not None:
@@ -269,28 +270,12 @@ def _rebuild_locked(args: argparse.Namespace, path: str) -> int:
     return 0
 
 
-# The collector's first generation runs every GC_YOUNG allocations (CPython: 700). A save
-# of thousands of ranks allocates millions of short-lived objects (messages, plans,
-# answers), and each young collection that promotes survivors brings the next full one
-# nearer, which walks everything the coordinator holds (catalog, cached layouts: a million
-# objects at 16,384 ranks). Profiled at 4,096 ranks, collection was 16% of the
-# coordinator's CPU with the default; the service is a process of its own, so it sets it.
-GC_YOUNG = 50_000
-
-
-def service_gc() -> None:
-    """Garbage collection for a long-lived coordinator process (not for a training
-    process: the embedded coordinator leaves its host's settings alone)."""
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG, older, oldest)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
-            service_gc()
+            collector.set_young(collector.GC_YOUNG)  # from the start: the catalog loads
             return asyncio.run(serve(args))
         if args.command == "agent":
             return agent.run(args)

@@ -34,6 +34,9 @@ class CallGuard(grpc.aio.ServerInterceptor):
     def __init__(self, max_calls_per_client: int):
         self.max_calls = max_calls_per_client
         self.active: collections.Counter[str] = collections.Counter()
+        # method -> (its handler, the guarded one): handlers are made once at registration,
+        # so each call reuses its method's wrapper instead of building one.
+        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -44,6 +47,9 @@ class CallGuard(grpc.aio.ServerInterceptor):
         if handler is None or handler.unary_unary is None:
             return handler  # streaming (health Watch, reflection): not ours to guard
         method = details.method
+        known = self._guarded.get(method)
+        if known is not None and known[0] is handler:
+            return known[1]
         decode = handler.request_deserializer
         inner = handler.unary_unary
 
@@ -87,4 +93,6 @@ class CallGuard(grpc.aio.ServerInterceptor):
                 if self.active[peer] <= 0:
                     del self.active[peer]
 
-        return handler._replace(unary_unary=guarded, request_deserializer=lenient)
+        wrapped = handler._replace(unary_unary=guarded, request_deserializer=lenient)
+        self._guarded[method] = (handler, wrapped)
+        return wrapped
