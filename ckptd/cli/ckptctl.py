@@ -788,7 +788,7 @@ def cmd_diff(storage: Storage, args: argparse.Namespace) -> int:
             if n is None or (k.status == "same" and not k.flags):
                 return ""
             ratio = f" (x{n['ratio']:.3g})" if n["ratio"] is not None else " (from 0)"
-            out = f"  norm {n['norm_a']:.6g} -> {n['norm_b']:.6g}{ratio}"
+            out = f"\n    norm {n['norm_a']:.6g} -> {n['norm_b']:.6g}{ratio}"
             if health.JUMP in k.flags:
                 out += f"  !! norm changed more than x{args.norm_jump:g}"
             if health.NONFINITE in k.flags:
