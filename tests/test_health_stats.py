@@ -226,7 +226,6 @@ def test_steps_saved_without_stats_are_unknown_and_load_with_a_warning(
         ({"nan": 5, "inf": 4, "sumsq": 1.0, "max_abs": 1.0}, "in a chunk of 8 elements"),
         ({"nan": 0, "inf": 0, "sumsq": -1.0, "max_abs": 1.0}, "stats.sumsq must be a finite"),
         ({"nan": 0, "inf": 0, "sumsq": 1.0, "max_abs": "1"}, "stats.max_abs must be a finite"),
-        ({"nan": 0, "inf": 0, "sumsq": 1e309, "max_abs": 1.0}, "not valid JSON"),
     ],
 )
 def test_a_malformed_stats_field_names_the_file_and_key(
@@ -243,9 +242,7 @@ def test_a_malformed_stats_field_names_the_file_and_key(
         with pytest.raises(InvalidManifest) as ei:
             ckpt.load({}, job, step=1)
         msg = str(ei.value)
-        assert why in msg
-        if "JSON" not in why:  # 1e309 is refused by the strict JSON parse, naming the file
-            assert "key 'model/w'" in msg
+        assert why in msg and "key 'model/w'" in msg
         assert "step-000000000001/shards/rank-00000.json" in msg
 
 
