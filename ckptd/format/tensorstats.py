@@ -9,10 +9,12 @@ for; bench/README.md, health_stats.py):
 - float32, float64: one BLAS dot (the sum of squares) and a max and a min. A dot that
   comes out finite proves there is no NaN or Inf, so the counting runs only on a block
   that has one (or whose squares overflow float32).
-- bfloat16, float16: the magnitude bits (`x & 0x7fff`) and their maximum: ordered like the
-  magnitudes, so the maximum is max |x| exactly and says at once whether any value is
-  non-finite. The magnitudes become float32 by a shift (float16: then a power-of-two scale),
-  exactly, and one dot gives the sum of squares.
+- bfloat16: each pair of values is two float32 halves: a mask and a shift of the pair as
+  uint32 give both as float32, exactly, and then as above.
+- float16 (and a bfloat16 block of odd length): the magnitude bits (`x & 0x7fff`) and their
+  maximum: ordered like the magnitudes, so the maximum is max |x| exactly and says at once
+  whether any value is non-finite. The magnitudes become float32 by a shift (float16: then
+  a power-of-two scale), exactly, and one dot gives the sum of squares.
 - the 8-bit floats and float4_e2m1fn_x2: a histogram of the 256 byte values and a table of
   what each byte is (exact; about 0.6 GB/s, so an 8-bit state costs more than a wide one).
 
@@ -100,13 +102,33 @@ def block_stats(data: np.ndarray, dtype: str) -> TensorStats:
     wide = _WIDE.get(dtype)
     if wide is not None:
         return _wide(data.view(wide))
+    if dtype == "bfloat16" and not data.nbytes % 4:
+        return _bf16_pairs(data.view(np.uint32))
     half = _HALF.get(dtype)
     if half is not None:
         return _half(data.view(np.uint16), *half)
     return _bytes(data, _byte_table(dtype))
 
 
+def _bf16_pairs(u: np.ndarray) -> TensorStats:
+    """bfloat16 two at a time: each is the top half of a float32, so masking off the low
+    half (little-endian: the pair's first element) or shifting it up gives the values as
+    float32 exactly, with no widening copy. max |x| from the magnitude bits (as _half); a
+    NaN or Inf (or squares beyond float32) make a dot non-finite: then _half counts."""
+    hi = u & np.uint32(0xFFFF0000)
+    lo = u << np.uint32(16)
+    h, lo32 = hi.view(np.float32), lo.view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        d = float(np.dot(h, h)) + float(np.dot(lo32, lo32))
+    if not math.isfinite(d):
+        return _half(u.view(np.uint16), *_HALF["bfloat16"])
+    top = int((u.view(np.uint16) & np.uint16(0x7FFF)).max())
+    return TensorStats(0, 0, d, float(np.array([top << 16], dtype=np.uint32).view(np.float32)[0]))
+
+
 def _wide(x: np.ndarray) -> TensorStats:
+    # Squares beyond the dtype overflow to inf (then counted below, in float64): no warning,
+    # which a caller's warnings-as-errors would turn into a failed save.
     with np.errstate(over="ignore", invalid="ignore"):
         d = float(np.dot(x, x))
     if math.isfinite(d):  # no NaN, no Inf (either makes the dot non-finite)
