@@ -131,12 +131,20 @@ def test_the_writer_path_without_precomputed_hashes_records_stats(tmp_path: Path
 def test_block_stats_agree_with_torch_on_random_bits() -> None:
     """Every byte pattern of the 16- and 8-bit formats (NaN payloads, subnormals, -0)."""
     rng = np.random.default_rng(0)
-    for dtype in ("bfloat16", "float16"):
-        bits = np.concatenate([np.arange(65536, dtype=np.uint16), rng.integers(0, 65536, 999)])
-        t = torch.from_numpy(bits.astype(np.uint16).view(np.int16)).view(getattr(torch, dtype))
-        s = tensorstats.block_stats(bits.astype(np.uint16).view(np.uint8), dtype)
+    for dtype, extra in [(d, n) for d in ("bfloat16", "float16") for n in (999, 1000)]:
+        # bfloat16 goes two at a time when the block holds an even count (_bf16_pairs)
+        bits = np.concatenate([np.arange(65536), rng.integers(0, 65536, extra)]).astype(np.uint16)
+        t = torch.from_numpy(bits.view(np.int16)).view(getattr(torch, dtype))
+        s = tensorstats.block_stats(bits.view(np.uint8), dtype)
         nan, inf, sumsq, max_abs = expected(t)
         assert (s.nan, s.inf, s.max_abs) == (nan, inf, max_abs), dtype
+        assert s.sumsq == pytest.approx(sumsq, rel=1e-5), dtype
+        finite = bits[np.isfinite(t.float().numpy())]  # the pairs path's own case: no NaN/Inf
+        finite = finite[: len(finite) // 2 * 2]
+        t = torch.from_numpy(finite.view(np.int16)).view(getattr(torch, dtype))
+        s = tensorstats.block_stats(finite.view(np.uint8), dtype)
+        nan, inf, sumsq, max_abs = expected(t)
+        assert (s.nan, s.inf, s.max_abs) == (0, 0, max_abs), dtype
         assert s.sumsq == pytest.approx(sumsq, rel=1e-5), dtype
     for dtype in FLOATS[4:]:
         bits = np.arange(256, dtype=np.uint8)
