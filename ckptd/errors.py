@@ -18,6 +18,7 @@
     ├── CoordinatorUnavailable(ConnectionError) the coordinator cannot be reached
     ├── JobInUse                                another process's coordinator has the job open
     ├── MirrorIncomplete                        a rank's copy never reached the mirror
+    ├── NonFiniteCheckpoint                     a load with require_finite met NaN or Inf
     └── SaveFailed                              a save did not commit
         ├── SaveAborted                         aborted: a rank failed, lease expired, timeout
         ├── StaleGeneration                     fenced: a newer generation of the job exists
@@ -116,6 +117,12 @@ class MirrorIncomplete(CkptError):
     committed there (ckptd.format.mirror.commit_copy)."""
 
 
+class NonFiniteCheckpoint(CkptError):
+    """A whole step whose health stats count NaN or Inf values in a tensor the load asked
+    for, refused because the load passed require_finite (ckpt._load). Not damage: nothing
+    is quarantined, and a load by explicit step without require_finite still reads it."""
+
+
 class SaveFailed(CkptError):
     """A save did not commit; earlier checkpoints are untouched."""
 
@@ -158,6 +165,7 @@ __all__ = [
     "CoordinatorUnavailable",
     "JobInUse",
     "MirrorIncomplete",
+    "NonFiniteCheckpoint",
     "SaveFailed",
     "SaveAborted",
     "StaleGeneration",

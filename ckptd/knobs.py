@@ -98,6 +98,10 @@ class Knobs:
     shared_read: bool = True
     shared_window: int = 256 << 20
     verify_received: bool = True
+    # Record each floating-point chunk's NaN/Inf counts, sum of squares and max |x| in the
+    # shard index, computed as its blocks are hashed (ckptd.format.tensorstats). Off: no
+    # stats (a load with require_finite then treats the step's health as unknown).
+    health_stats: bool = True
 
 
 def _from_env() -> Knobs:
@@ -128,6 +132,7 @@ def _from_env() -> Knobs:
         shared_read=_env_bool("CKPT_SHARED_READ", d.shared_read),
         shared_window=_env_int("CKPT_SHARED_WINDOW", d.shared_window),
         verify_received=_env_bool("CKPT_VERIFY_RECEIVED", d.verify_received),
+        health_stats=_env_bool("CKPT_HEALTH_STATS", d.health_stats),
     )
 
 

@@ -154,6 +154,7 @@ def value(flag: str, metavar: str, w: dict[str, Any], out: Path, choice: str = "
     return {
         ("--step", "N"): "2",
         ("--keep-last", "N"): "1",
+        ("--norm-jump", "FACTOR"): "3",
         ("--to", "OUT"): str(out),
         ("--keys", "PATTERN"): "model",
         ("--mirror", "URL"): str(w["tmp"] / "mirror"),

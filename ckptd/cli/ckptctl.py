@@ -26,7 +26,7 @@ from typing import Any
 from ckptd.coordinator import retention
 from ckptd.errors import CheckpointNotFound, CkptError
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import layout, recycle, values
+from ckptd.format import health, layout, recycle, values
 from ckptd.server.client import CoordinatorClient
 from ckptd.storage import JobLocation, Storage, open_storage
 from ckptd.storage.base import PendingUpload
@@ -257,6 +257,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
         for c in chunks
     ]
     plain = sum(1 for leaf in values.leaves(m.state) if values.tensor_ref(leaf) is None)
+    stats = health.key_health(ck) if args.stats else None
     if args.json:
         _emit_json(
             args,
@@ -272,6 +273,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
                 "shards": [s.to_json() for s in m.shards],
                 "tensors": entries,
                 "plain_values": plain,
+                **({} if stats is None else {"stats": [k.to_json() for k in stats]}),
             },
         )
         return OK
@@ -297,7 +299,41 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
         for e in entries
     ]
     _print_table(rows, ["KEY", "DTYPE", "SHAPE", "SIZE", "RANK"])
+    if stats is not None:
+        print()
+        _print_stats(stats)
     return OK
+
+
+def _print_stats(stats: list[health.KeyHealth]) -> None:
+    """inspect --stats: each floating-point tensor's health, its chunks combined; a tensor
+    with NaN or Inf values is marked '!' and counted at the end."""
+    rows = []
+    for k in stats:
+        s = k.stats
+        if s is None:
+            rows.append([" ", k.key, k.dtype, "-", "-", "-", "-", "no stats"])
+            continue
+        rows.append(
+            [
+                " " if s.finite else "!",
+                k.key,
+                k.dtype,
+                f"{s.norm:.6g}",
+                f"{s.max_abs:.6g}",
+                str(s.nan),
+                str(s.inf),
+                f"{k.chunks} chunk(s)" if k.chunks > 1 else "",
+            ]
+        )
+    _print_table(rows, ["", "KEY", "DTYPE", "NORM", "MAX|X|", "NAN", "INF", ""])
+    sick = [k for k in stats if k.finite is False]
+    unknown = [k for k in stats if k.finite is None]
+    print(
+        f"health     {len(stats)} floating-point tensor(s): "
+        + (f"{len(sick)} with NaN or Inf values" if sick else "all finite")
+        + (f", {len(unknown)} without stats (saved before ckptd recorded them)" if unknown else "")
+    )
 
 
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
@@ -704,7 +740,10 @@ def cmd_diff(storage: Storage, args: argparse.Namespace) -> int:
     """Which tensors and values changed between two steps, from the indexes' block hashes
     where the chunk layouts match, else by reading and hashing the whole tensors."""
     # Imported by the command that needs it: ckptctl's other commands start faster.
-    from ckptd.format.diff import ADDED, CHANGED, REMOVED, diff_checkpoints
+    from ckptd.format.diff import ADDED, CHANGED, REMOVED, KeyDiff, diff_checkpoints
+
+    if not args.norm_jump > 1:
+        raise UsageError(f"--norm-jump must be above 1, got {args.norm_jump}")
 
     bar = _progress(
         _step_bytes(storage, args.step_a) + _step_bytes(storage, args.step_b),
@@ -713,12 +752,16 @@ def cmd_diff(storage: Storage, args: argparse.Namespace) -> int:
     )
     try:
         rep = diff_checkpoints(
-            storage, args.step_a, args.step_b, progress=bar.update if bar else None
+            storage,
+            args.step_a,
+            args.step_b,
+            progress=bar.update if bar else None,
+            factor=args.norm_jump,
         )
     finally:
         if bar is not None:
             bar.close()
-    shown = [k for k in rep.keys if args.all or k.status != "same"]
+    shown = [k for k in rep.keys if args.all or k.status != "same" or k.flags]
     if args.json:
         _emit_json(
             args,
@@ -732,23 +775,45 @@ def cmd_diff(storage: Storage, args: argparse.Namespace) -> int:
                 "removed": [k.key for k in rep.of(REMOVED)],
                 "unchanged": len(rep.of("same")),
                 "bytes_read": rep.bytes_read,
+                "norm_jump": args.norm_jump,
+                "stand_out": [k.key for k in rep.stand_out],
                 "keys": [k.to_json() for k in shown],
             },
         )
     else:
         mark = {CHANGED: "M", ADDED: "A", REMOVED: "D", "same": "="}
+
+        def norm(k: KeyDiff) -> str:
+            n = k.norm
+            if n is None or (k.status == "same" and not k.flags):
+                return ""
+            ratio = f" (x{n['ratio']:.3g})" if n["ratio"] is not None else " (from 0)"
+            out = f"\n    norm {n['norm_a']:.6g} -> {n['norm_b']:.6g}{ratio}"
+            if health.JUMP in k.flags:
+                out += f"  !! norm changed more than x{args.norm_jump:g}"
+            if health.NONFINITE in k.flags:
+                out += f"  !! NaN/Inf {n['nonfinite_a']} -> {n['nonfinite_b']}"
+            return out
+
         for k in shown:
             how = (
                 f" ({k.by}{': ' + k.detail if k.detail else ''})"
                 if k.kind == "tensor" and k.status == CHANGED
                 else ""
             )
-            print(f"{mark[k.status]} {k.key}{'' if k.kind == 'tensor' else ' [value]'}{how}")
+            tag = "" if k.kind == "tensor" else " [value]"
+            print(f"{'!' if k.flags else mark[k.status]} {k.key}{tag}{how}{norm(k)}")
         print(
             f"step {rep.step_a} -> {rep.step_b}: {len(rep.of(CHANGED))} changed, "
             f"{len(rep.of(ADDED))} added, {len(rep.of(REMOVED))} removed, "
             f"{len(rep.of('same'))} unchanged"
             + (f" ({human_bytes(rep.bytes_read)} read)" if rep.bytes_read else "")
+            + (
+                f"; {len(rep.stand_out)} stand out (norm changed more than "
+                f"x{args.norm_jump:g}, or new NaN/Inf)"
+                if rep.stand_out
+                else ""
+            )
         )
     return PROBLEM if args.exit_code and not rep.identical else OK
 
@@ -841,6 +906,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp = add("inspect", "show a committed step's manifest and tensors")
     sp.add_argument("--step", type=int, help="step (default: newest committed)")
+    sp.add_argument(
+        "--stats",
+        action="store_true",
+        help="also each floating-point tensor's health (L2 norm, max |x|, NaN and Inf counts) "
+        "recorded at save time",
+    )
     sp = add("verify", "check sizes and blake3 hashes of committed steps")
     g = sp.add_mutually_exclusive_group()
     g.add_argument("--step", type=int, help="step (default: newest committed)")
@@ -917,6 +988,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--all", action="store_true", help="also list the unchanged keys")
     sp.add_argument(
         "--exit-code", action="store_true", help="exit 1 when the steps differ (like git diff)"
+    )
+    sp.add_argument(
+        "--norm-jump",
+        type=float,
+        default=health.DEFAULT_JUMP,
+        metavar="FACTOR",
+        help="mark a tensor whose L2 norm grew or shrank by more than FACTOR (default 2)",
     )
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

@@ -7,6 +7,11 @@ steps, or the block size changed), the per-chunk hashes are not comparable: each
 logical tensor is then assembled from its chunks (every block verified as it is read) and
 hashed whole. That costs memory of the tensor's size, which is acceptable for a tool run by
 hand. Non-tensor values are compared as the JSON the manifest stores.
+
+Beside the hashes, each floating-point tensor in both steps gets its norm before and after
+from the health stats in the indexes (ckptd.format.health, no read either): a norm that
+grew or shrank by more than `factor`, or NaN/Inf values the earlier step did not have,
+stand out.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import hashing, reader, values
+from ckptd.format import hashing, health, reader, values
 from ckptd.storage import Storage
 
 SAME, CHANGED, ADDED, REMOVED = "same", "changed", "added", "removed"
@@ -35,9 +40,16 @@ class KeyDiff:
         ""  # how it was decided: index (block hashes), read (logical hash), dtype, shape, json
     )
     detail: str = ""
+    # A floating-point tensor in both steps with stats: health.NormChange.to_json() (norms
+    # before and after, their ratio, non-finite counts, flags); None otherwise.
+    norm: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def flags(self) -> list[str]:
+        return list(self.norm["flags"]) if self.norm else []
 
 
 @dataclasses.dataclass
@@ -51,16 +63,28 @@ class DiffReport:
         return [k for k in self.keys if k.status == status]
 
     @property
+    def stand_out(self) -> list[KeyDiff]:
+        """Tensors whose norm jumped or that gained NaN/Inf values (health.compare)."""
+        return [k for k in self.keys if k.flags]
+
+    @property
     def identical(self) -> bool:
         return all(k.status == SAME for k in self.keys)
 
 
 def diff_checkpoints(
-    storage: Storage, step_a: int, step_b: int, *, progress: Callable[[int], None] | None = None
+    storage: Storage,
+    step_a: int,
+    step_b: int,
+    *,
+    progress: Callable[[int], None] | None = None,
+    factor: float = health.DEFAULT_JUMP,
 ) -> DiffReport:
     """Compare two committed steps of one job; raises CkptError when either cannot be opened
-    or a block read for the fallback comparison fails verification."""
+    or a block read for the fallback comparison fails verification. factor: a norm that
+    changes by more than this (either way) stands out."""
     a, b = ckfmt.open_checkpoint(storage, step_a), ckfmt.open_checkpoint(storage, step_b)
+    norms = health.compare(health.key_health(a), health.key_health(b), factor=factor)
     report = DiffReport(a.step, b.step, [])
     for key in sorted(a.chunks.keys() | b.chunks.keys()):
         if key not in b.chunks:
@@ -68,7 +92,11 @@ def diff_checkpoints(
         elif key not in a.chunks:
             report.keys.append(KeyDiff(key, "tensor", ADDED))
         else:
-            report.keys.append(_tensor_diff(a, b, key, report, progress))
+            kd = _tensor_diff(a, b, key, report, progress)
+            change = norms.get(key)
+            if change is not None and change.a is not None and change.b is not None:
+                kd.norm = change.to_json()
+            report.keys.append(kd)
     va, vb = dict(_plain_values(a.manifest.state)), dict(_plain_values(b.manifest.state))
     for key in sorted(va.keys() | vb.keys()):
         if key not in vb:

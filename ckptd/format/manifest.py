@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from ckptd.errors import CkptError, InvalidManifest
-from ckptd.format import dtypes, hashing, layout, values
+from ckptd.format import dtypes, hashing, layout, tensorstats, values
 from ckptd.storage.paths import check_relative
 
 FORMAT_NAME = "ckptd"
@@ -47,9 +47,12 @@ class IndexEntry:
     length: int  # byte length
     blake3: list[str]  # one digest per block of `block_size`, relative to `offset`
     file: str = ""  # shard path relative to the step directory
+    # Health of a floating-point chunk (optional: None in indexes written before it was
+    # recorded, or with the health_stats knob off); ckptd.format.tensorstats.
+    stats: tensorstats.TensorStats | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "key": self.key,
             "dtype": self.dtype,
             "shape": self.shape,
@@ -60,6 +63,9 @@ class IndexEntry:
             "length": self.length,
             "blake3": self.blake3,
         }
+        if self.stats is not None:
+            doc["stats"] = self.stats.to_json()
+        return doc
 
     @property
     def is_full(self) -> bool:
@@ -463,7 +469,8 @@ def _parse_entry(e: Any, i: int, block: int, align: int, shard: ShardInfo, what:
         raise InvalidManifest(f"{ew}: expected {hashing.n_blocks(length, block)} block hashes")
     if not all(hashing.is_hex_digest(d) for d in digests):
         raise InvalidManifest(f"{ew}: block hashes must be blake3 hex digests")
-    return IndexEntry(key, dtype, shape, offs, sizes, offset, length, list(digests), file)
+    stats = tensorstats.parse(e.get("stats"), dtype=dtype, numel=numel, what=ew)
+    return IndexEntry(key, dtype, shape, offs, sizes, offset, length, list(digests), file, stats)
 
 
 def describe(err: CkptError, **ctx: Any) -> str:

@@ -33,7 +33,7 @@ import numpy as np
 from ckptd import iopool, knobs
 from ckptd.errors import CkptError, CorruptCheckpoint, ShardSizeMismatch, StorageError
 from ckptd.faults import crash_point
-from ckptd.format import hashing, layout, recycle
+from ckptd.format import hashing, layout, recycle, tensorstats
 from ckptd.format.manifest import IndexEntry, ShardIndex, ShardInfo, packing_gap
 from ckptd.format.reader import ReadWindow, check_window, plan_reads, verify_entries
 from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
@@ -49,6 +49,9 @@ class WriteItem:
     chunk_offsets: list[int]
     chunk_sizes: list[int]
     data: np.ndarray
+    # Its health (NaN/Inf counts, sum of squares, max |x|), set by the pass that hashes
+    # its bytes (_Hasher) for a floating-point dtype; recorded in the shard index.
+    stats: tensorstats.TensorStats | None = None
 
 
 @dataclasses.dataclass
@@ -242,15 +245,8 @@ class ShardWriter:
         they are written unless `digests` are given). From `image` when given: a staging
         buffer holding item i at image_offsets[i] (see _gather_windows)."""
         block = self.block
-        hashes = (
-            digests
-            if digests is not None
-            else [[""] * hashing.n_blocks(it.data.nbytes, block) for it in items]
-        )
-
-        def hash_group(group: list[tuple[int, int]]) -> None:
-            for i, b in group:
-                hashes[i][b] = hashing.digest(items[i].data[b * block : (b + 1) * block])
+        hasher = _Hasher(items, block) if digests is None else None
+        hashes = hasher.hashes if hasher is not None else digests or []
 
         try:
             if image is not None:
@@ -273,7 +269,8 @@ class ShardWriter:
                 if i < len(windows):
                     tasks.append(functools.partial(self._write_one, windows[i], i, early, progress))
                 if i < len(groups):
-                    tasks.append(functools.partial(_hash_then, hash_group, groups[i], early))
+                    assert hasher is not None
+                    tasks.append(functools.partial(_hash_then, hasher.run, groups[i], early))
             pipe = iopool.Pipeline(iopool.executor(self.threads), self.threads, tasks)
             if early is None:
                 pipe.run()
@@ -287,6 +284,8 @@ class ShardWriter:
                 # Checked only if every byte went O_DIRECT (no fallback to buffered).
                 if getattr(self.handle, "direct", False):
                     self._checked.update(offsets)
+            if hasher is not None:
+                hasher.settle()
         except BaseException as e:
             self.abort()
             _reraise(e, self.ctx)
@@ -329,6 +328,7 @@ class ShardWriter:
                 length=it.data.nbytes,
                 blake3=digests[i],
                 file=self.shard_name,
+                stats=it.stats,
             )
             for i, (it, off) in enumerate(zip(items, offsets, strict=True))
         ]
@@ -436,23 +436,49 @@ def write_shard(
 
 
 def hash_items(items: Sequence[WriteItem], *, threads: int | None = None) -> list[list[str]]:
-    """Block hashes of every item, on a thread pool (blake3 releases the GIL)."""
+    """Block hashes of every item, on a thread pool (blake3 releases the GIL); each
+    floating-point item's health stats are set on it in the same pass (_Hasher)."""
     k = knobs.get()
-    block = k.block_size
-    hashes = [[""] * hashing.n_blocks(it.data.nbytes, block) for it in items]
-
-    def run(group: list[tuple[int, int]]) -> None:
-        for i, b in group:
-            hashes[i][b] = hashing.digest(items[i].data[b * block : (b + 1) * block])
-
-    groups = _hash_groups(items, block, k.io_window)
+    hasher = _Hasher(items, k.block_size)
+    groups = _hash_groups(items, k.block_size, k.io_window)
     if len(groups) <= 1:
         for g in groups:
-            run(g)
-        return hashes
-    pool = iopool.executor(threads or k.io_threads)
-    iopool.wait_all([pool.submit(run, g) for g in groups])
-    return hashes
+            hasher.run(g)
+    else:
+        pool = iopool.executor(threads or k.io_threads)
+        iopool.wait_all([pool.submit(hasher.run, g) for g in groups])
+    hasher.settle()
+    return hasher.hashes
+
+
+class _Hasher:
+    """The one pass over a write's bytes: blake3 of each block and, for a floating-point
+    item, the block's health stats while it is in cache (ckptd.format.tensorstats; off
+    with the knob health_stats). run() takes (item, block) groups from any thread;
+    settle() then sets each item's stats."""
+
+    def __init__(self, items: Sequence[WriteItem], block: int):
+        self.items, self.block = items, block
+        self.hashes = [[""] * hashing.n_blocks(it.data.nbytes, block) for it in items]
+        on = knobs.get().health_stats
+        self.parts: list[list[tensorstats.TensorStats] | None] = [
+            [tensorstats.TensorStats()] * len(h) if on and tensorstats.covered(it.dtype) else None
+            for it, h in zip(items, self.hashes, strict=True)
+        ]
+
+    def run(self, group: list[tuple[int, int]]) -> None:
+        block = self.block
+        for i, b in group:
+            data = self.items[i].data[b * block : (b + 1) * block]
+            self.hashes[i][b] = hashing.digest(data)
+            parts = self.parts[i]
+            if parts is not None:
+                parts[b] = tensorstats.block_stats(data, self.items[i].dtype)
+
+    def settle(self) -> None:
+        for it, parts in zip(self.items, self.parts, strict=True):
+            if parts is not None:
+                it.stats = tensorstats.combine(parts)
 
 
 def _write_window(

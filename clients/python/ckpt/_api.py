@@ -178,6 +178,7 @@ def load(
     fallback: bool = True,
     io_threads: int | None = None,
     read: str = "auto",
+    require_finite: bool = False,
 ) -> LoadResult:
     """Load step `step` (default: the newest committed) into `state`, in place.
 
@@ -195,6 +196,10 @@ def load(
     sends it to the ranks that need it when the load chooses its step (every rank calls
     it then); "shared" does so for an explicit step too (every rank must call it);
     "each" has every rank read what it needs itself (docs/restore.md, Shared reads).
+    require_finite: refuse a step whose saved health stats count NaN or Inf values in a
+    selected tensor (judged from the shard indexes, before a byte is read): with fallback
+    and no explicit step the newest finite step is loaded, loudly; an explicit step raises
+    NonFiniteCheckpoint. A step saved without stats loads with a warning (unknown health).
     """
     return load_from_tiers(
         [("local", open_storage(path))],
@@ -207,4 +212,5 @@ def load(
         rank=_world.rank_and_world()[0],
         threads=io_threads,
         read=read,
+        require_finite=require_finite,
     )

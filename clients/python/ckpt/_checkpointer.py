@@ -390,13 +390,14 @@ class Checkpointer:
         cast: bool = False,
         fallback: bool = True,
         read: str = "auto",
+        require_finite: bool = False,
     ) -> LoadResult:
         """Load `step` (default: the head of the job's live line) into `state` on this
         rank, verified; the next save descends from the step loaded (a rollback when it is
         an older one: docs/concepts.md, Rollbacks and the live line).
 
         Reshards to this rank's DTensor placements whatever the world size at save time;
-        keys/strict/cast/fallback/read as in ckpt.load. With fallback and no explicit step
+        keys/strict/cast/fallback/read/require_finite as in ckpt.load. With fallback and no explicit step
         (or read="shared"), every rank of an initialized process group must call this (they
         agree on the step, and each stored byte is read by one of them).
         """
@@ -413,6 +414,7 @@ class Checkpointer:
             on_quarantine=self._tier_quarantined,
             catalog_blake3=self._catalog_blake3,
             read=read,
+            require_finite=require_finite,
         )
         self._parent = self._parent_before = res.step
         self.last_load = res  # which step and tier (resume returns only the step)
@@ -484,14 +486,20 @@ class Checkpointer:
 
     # -- resume and the training loop ---------------------------------------------------
     def resume(
-        self, state: Any, *, allow_fresh_start: bool = False, strict: bool = True
+        self,
+        state: Any,
+        *,
+        allow_fresh_start: bool = False,
+        strict: bool = True,
+        require_finite: bool = False,
     ) -> int | None:
         """Load the newest whole checkpoint into `state`; its step, or None for a new job.
 
         Every rank must call it; they load the same step. Steps that never committed,
         are marked bad, or fail verification are skipped (logged with the reason) and the
-        previous one is tried. Raises CheckpointNotFound when checkpoints exist but none
-        loads, unless allow_fresh_start=True (then logs the error and returns None).
+        previous one is tried; with require_finite, so are steps whose saved stats count
+        NaN or Inf values (ckpt._load). Raises CheckpointNotFound when checkpoints exist
+        but none loads, unless allow_fresh_start=True (then logs the error, returns None).
         """
         self._check_open()
         step = _resume.resume(
@@ -502,6 +510,7 @@ class Checkpointer:
             rank=self.rank,
             allow_fresh_start=allow_fresh_start,
             strict=strict,
+            require_finite=require_finite,
         )
         # After the load (not competing with it): map the first save's staging image.
         prepare_for(self._image, state, rank=self.rank, budget=self.options.staging_budget_bytes)

@@ -98,9 +98,17 @@ def save(
     return cp.save(state, step, metadata=metadata, blocking=blocking)
 
 
-def resume(state: Any, *, allow_fresh_start: bool = False, strict: bool = True) -> int | None:
+def resume(
+    state: Any,
+    *,
+    allow_fresh_start: bool = False,
+    strict: bool = True,
+    require_finite: bool = False,
+) -> int | None:
     """Checkpointer.resume on the default Checkpointer."""
-    return get().resume(state, allow_fresh_start=allow_fresh_start, strict=strict)
+    return get().resume(
+        state, allow_fresh_start=allow_fresh_start, strict=strict, require_finite=require_finite
+    )
 
 
 def wait(timeout: float | None = None) -> SaveResult | None:

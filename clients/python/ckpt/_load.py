@@ -29,6 +29,15 @@ from one storage is ckpt._restore's; this module decides around it:
   unmarked (the error may be transient). A load by explicit step, or with fallback=False,
   tries that one step's copies, marks nothing, uses no collective unless read="shared"
   (any subset of ranks may call it), and raises when none loads.
+- Health (require_finite). A step whose shard indexes count NaN or Inf values in a tensor
+  the load asks for (ckptd.format.health, from the stats recorded as the bytes were
+  hashed: no tensor byte is read to judge it) is refused before it is planned, loudly
+  (job, step, keys and counts), and not quarantined: it is whole, and a load by explicit
+  step without require_finite still reads it. A load that chooses its step moves to the
+  next older one like after damage (every rank judges the same indexes, so they agree);
+  an explicit step raises NonFiniteCheckpoint. A step without stats (saved before they
+  were recorded) is loaded, with a warning that its health is unknown: refusing it would
+  refuse every checkpoint a job wrote before the upgrade.
 - The final error has the type of this rank's first failure and lists every step and copy
   tried, with what to do.
 """
@@ -44,10 +53,16 @@ from typing import Any
 
 from ckpt import _shared_read as _shared
 from ckpt._agree import agree_max, agree_min
-from ckpt._restore import LoadResult, PreparedStep, Reads, prepare_step
-from ckptd.errors import CheckpointNotFound, CkptError, CorruptCheckpoint, PeerReadFailed
+from ckpt._restore import LoadResult, PreparedStep, Reads, keys_patterns, matching, prepare_step
+from ckptd.errors import (
+    CheckpointNotFound,
+    CkptError,
+    CorruptCheckpoint,
+    NonFiniteCheckpoint,
+    PeerReadFailed,
+)
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import layout
+from ckptd.format import health, layout
 from ckptd.format.boxes import BoxPlan, read_planned
 from ckptd.format.checkpoint import OpenCheckpoint
 from ckptd.storage.base import Storage
@@ -168,6 +183,7 @@ class _Failure:
     reason: str
     error: BaseException | None  # None: another rank's failure
     quarantined: bool = False
+    unhealthy: bool = False  # refused by require_finite: its stats count NaN or Inf
 
 
 def load_from_tiers(
@@ -185,6 +201,7 @@ def load_from_tiers(
     catalog_blake3: Callable[[int], str | None] | None = None,
     read: str = "auto",
     loader: Callable[[Storage, int], Any] | None = None,
+    require_finite: bool = False,
 ) -> LoadResult:
     """Load `step` (default: the live line's head) into `state` from the nearest tier that
     holds a copy that verifies; the policy is the module docstring's.
@@ -201,6 +218,8 @@ def load_from_tiers(
     reads a step itself (DCP's load): it returns an object whose read(reads) loads the step
     and gives its LoadResult, raising CorruptCheckpoint for damage; `state`, `strict`,
     `keys` and `cast` are then its business. Only with read="each".
+    require_finite: refuse a step whose stats count NaN or Inf values in a tensor the load
+    selects (`keys`), as the module docstring says; not with a loader.
     """
     if not tiers:
         raise ValueError("load_from_tiers needs at least one (name, Storage) tier")
@@ -208,6 +227,9 @@ def load_from_tiers(
         raise ValueError(f"read must be one of {', '.join(READ_MODES)}, got {read!r}")
     if loader is not None and read != "each":
         raise ValueError("a loader reads the step itself: pass read='each'")
+    if loader is not None and require_finite:
+        raise ValueError("require_finite is ckpt's own load's; a loader plans the step itself")
+    check = _finite_check(keys) if require_finite else None
     t0 = time.perf_counter()
     choose = step is None and fallback
     # An explicit step is asked of every tier: nothing to list.
@@ -254,6 +276,7 @@ def load_from_tiers(
             cast=cast,
             rank=rank,
             manifest_blake3=catalog_blake3(s) if catalog_blake3 is not None else None,
+            check=check,
         )
 
     failures: list[_Failure] = []
@@ -297,9 +320,12 @@ def load_from_tiers(
             raise _exhausted(tiers, f"no copy of step {at} could be loaded", failures)
         older = _agreed_newest(line, at)
         log.error(
-            "CHECKPOINT STEP %d OF %s COULD NOT BE LOADED; %s",
+            "CHECKPOINT STEP %d OF %s %s; %s",
             at,
             _names(tiers),
+            "HOLDS NON-FINITE VALUES (require_finite)"
+            if all(f.unhealthy for f in mine)
+            else "COULD NOT BE LOADED",
             f"falling back to step {older}" if older >= 0 else "no older committed step to load",
         )
         if older < 0:
@@ -405,8 +431,13 @@ def _failed(
     rank: int,
 ) -> bool:
     """Record a copy that failed (quarantined when damaged and the load may mark it);
-    returns whether the failure is hard (ends the step for this rank)."""
+    returns whether the failure ends the step for this rank (hard, or non-finite values:
+    every tier's copy holds the same bytes)."""
     where = f"of {st.url}" if len(tiers) == 1 else f"in the {name} tier ({st.url})"
+    if isinstance(e, NonFiniteCheckpoint):
+        failures.append(_Failure(at, where, f"rank {rank}: {e}", e, unhealthy=True))
+        log.error("CHECKPOINT STEP %d %s SKIPPED (require_finite): %s", at, where, e)
+        return True
     if isinstance(e, CorruptCheckpoint):
         # A read the device refused (EIO, a vanished mount) surfaces as damage caused
         # by an OSError: maybe transient, so it is skipped, never quarantined. Damage
@@ -472,9 +503,41 @@ def _hard(failures: list[_Failure]) -> BaseException | None:
     """The failure that ends the load on every rank: neither damage nor unreadable."""
     if failures:
         e = failures[-1].error
-        if e is not None and not isinstance(e, (CorruptCheckpoint, OSError)):
+        if e is not None and not isinstance(e, (CorruptCheckpoint, OSError, NonFiniteCheckpoint)):
             return e
     return None
+
+
+def _finite_check(keys: str | Sequence[str] | None) -> Callable[[OpenCheckpoint], None]:
+    """require_finite's judgement of an opened step (prepare_step's check): raises
+    NonFiniteCheckpoint when a selected tensor's stats count NaN or Inf; warns when some
+    have no stats (unknown health: loaded)."""
+    patterns = keys_patterns(keys)
+
+    def selected(key: str) -> bool:
+        return patterns is None or bool(matching(patterns, key))
+
+    def check(ck: OpenCheckpoint) -> None:
+        h = health.check(ck, selected)
+        where = f"{ck.storage.url} step {ck.step}"
+        if h.nonfinite:
+            raise NonFiniteCheckpoint(
+                f"{where}: {len(h.nonfinite)} tensor(s) hold non-finite values by the stats "
+                f"saved with them ({h.describe()}); refused because the load requires finite "
+                "values. `ckptctl inspect --stats` lists them; load the step by number "
+                "without require_finite to take it anyway"
+            )
+        if h.unknown:
+            log.warning(
+                "%s: %d floating-point tensor(s) have no health stats (saved before ckptd "
+                "recorded them, or with CKPT_HEALTH_STATS=0), e.g. %r: their health is "
+                "unknown; loading the step anyway (require_finite refuses only known NaN/Inf)",
+                where,
+                len(h.unknown),
+                h.unknown[0].key,
+            )
+
+    return check
 
 
 def _quarantine(
@@ -506,15 +569,19 @@ def _finish(res: LoadResult, failures: list[_Failure], t0: float) -> LoadResult:
     log.warning("loaded step %d (%s) after: %s", res.step, res.path, reason)
     first = failures[0].step
     quarantined: list[int] = []
+    unhealthy: list[int] = []
     for f in failures:
         if f.quarantined and f.step not in quarantined:
             quarantined.append(f.step)
+        if f.unhealthy and f.step not in unhealthy:
+            unhealthy.append(f.step)
     return dataclasses.replace(
         res,
         seconds=seconds,
         fell_back_from=first if first != res.step else None,
         fallback_reason=reason,
         quarantined=quarantined,
+        unhealthy=unhealthy,
     )
 
 
@@ -522,12 +589,15 @@ def _exhausted(tiers: Sequence[Tier], what: str, failures: list[_Failure]) -> Ba
     """The error when nothing loaded: the first failure's type, every copy's story."""
     own = [f.error for f in failures if f.error is not None]
     kind = type(own[0]) if own else CorruptCheckpoint
+    sick = any(f.unhealthy for f in failures)
     err = kind(
-        f"{_names(tiers)}: {what}; every copy tried failed verification or could not be "
-        "read: "
+        f"{_names(tiers)}: {what}; every copy tried failed verification"
+        + (", held non-finite values (require_finite)" if sick else "")
+        + " or could not be read: "
         + "; ".join(f"step {f.step} {f.where}: {f.reason}" for f in failures)
         + ". Nothing valid was loaded (tensors may hold verified bytes of a failed step); "
         "check the stores with `ckptctl verify --all` and restore from a replica"
+        + (", or load a step by number without require_finite" if sick else "")
     )
     err.__cause__ = own[0] if own else None
     return err

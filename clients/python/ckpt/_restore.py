@@ -67,6 +67,8 @@ class LoadResult:
     fell_back_from: int | None = None
     fallback_reason: str | None = None
     quarantined: list[int] = dataclasses.field(default_factory=list)
+    # require_finite: the steps passed over because their stats count NaN or Inf values.
+    unhealthy: list[int] = dataclasses.field(default_factory=list)
     # The tier every shard this rank read came from (ckpt._load: "memory" this node's,
     # "peer" another node's, "local" the job's directory, "mirror"); "" outside a tier.
     tier: str = ""
@@ -119,7 +121,16 @@ def _join(path: str, component: str) -> str:
     return f"{path}/{component}" if path else component
 
 
-def _keys_patterns(keys: str | Sequence[str] | None) -> list[str] | None:
+def matching(patterns: Sequence[str], key: str) -> list[str]:
+    """The patterns of a load's `keys` that select the saved key `key` (a pattern also
+    selects everything under it: 'model' is 'model' and 'model/*')."""
+    return [
+        p for p in patterns if fnmatch.fnmatchcase(key, p) or fnmatch.fnmatchcase(key, p + "/*")
+    ]
+
+
+def keys_patterns(keys: str | Sequence[str] | None) -> list[str] | None:
+    """A load's `keys` argument as a list of glob patterns (None: every key)."""
     if keys is None:
         return None
     pats = [keys] if isinstance(keys, str) else list(keys)
@@ -153,7 +164,7 @@ class Planner:
         self.rank = rank
         self.strict = strict
         self.cast = cast
-        self.patterns = _keys_patterns(keys)
+        self.patterns = keys_patterns(keys)
         self._matched: set[str] = set()
         self.dests: dict[str, _Dest] = {}
         self.after_read: list[Callable[[], None]] = []
@@ -182,12 +193,9 @@ class Planner:
     def _match(self, key: str) -> bool:
         if self.patterns is None:
             return True
-        hit = False
-        for p in self.patterns:
-            if fnmatch.fnmatchcase(key, p) or fnmatch.fnmatchcase(key, p + "/*"):
-                self._matched.add(p)
-                hit = True
-        return hit
+        hits = matching(self.patterns, key)
+        self._matched.update(hits)
+        return bool(hits)
 
     def _wanted(self, node: Any, path: str) -> bool:
         """Whether any value under this saved node is selected by `keys`."""
@@ -581,16 +589,20 @@ def prepare_step(
     cast: bool = False,
     rank: int = 0,
     manifest_blake3: str | None = None,
+    check: Callable[[OpenCheckpoint], None] | None = None,
 ) -> PreparedStep:
     """Open `step` of `storage` (markers are not consulted) and plan `state` against it.
 
     manifest_blake3: the digest the coordinator's catalog recorded at commit (None: storage
-    alone is trusted); a manifest that differs is CorruptCheckpoint. Which step to load,
-    from which tier, who reads what, and what a failure means is the load policy's
-    (ckpt._load).
+    alone is trusted); a manifest that differs is CorruptCheckpoint. check(ck): called on
+    the opened step before planning (the load policy's judgement of its indexes: it raises
+    to refuse the step). Which step to load, from which tier, who reads what, and what a
+    failure means is the load policy's (ckpt._load).
     """
     t0 = time.perf_counter()
     ck = ckfmt.open_checkpoint(storage, layout.check_step(step), manifest_blake3=manifest_blake3)
+    if check is not None:
+        check(ck)
     planner = Planner(ck, strict=strict, rank=rank, keys=keys, cast=cast)
     restored = planner.restore(ck.manifest.state, state, "")
     planner.check()

@@ -4,7 +4,8 @@ The work of choosing is the load's (ckpt._load.load_from_tiers with fallback): t
 newest committed step is tried first, in every tier that holds it; a step that fails
 verification on any rank (CorruptCheckpoint: a hash mismatch, a missing or truncated
 shard, a bad index) is quarantined and the previous one is tried, every rank agreeing on
-the step. What resume adds is the policy around it:
+the step (with require_finite, a step whose saved stats count NaN or Inf is passed over
+the same way, not quarantined). What resume adds is the policy around it:
 
 - every step it passes over is logged with the reason: a step directory without a
   manifest (a save that never committed: aborted, or a rank killed mid-write), a manifest
@@ -23,7 +24,7 @@ from typing import Any
 
 from ckpt._load import Tier, tier_steps
 from ckpt._restore import LoadResult
-from ckptd.errors import CheckpointNotFound, CorruptCheckpoint
+from ckptd.errors import CheckpointNotFound, CorruptCheckpoint, NonFiniteCheckpoint
 from ckptd.format import checkpoint as ckfmt
 
 log = logging.getLogger("ckpt")
@@ -38,6 +39,7 @@ def resume(
     rank: int,
     allow_fresh_start: bool,
     strict: bool,
+    require_finite: bool = False,
 ) -> int | None:
     """Resume job `path` from `tiers` with `load` (the Checkpointer's: the load policy)."""
     # A step counts when any tier holds it (a wiped local disk resumes from the mirror,
@@ -67,8 +69,8 @@ def resume(
             log.info("resume %s: no checkpoint yet; starting fresh", path)
         return None
     try:
-        res = load(state, strict=strict)
-    except (CorruptCheckpoint, CheckpointNotFound) as e:
+        res = load(state, strict=strict, require_finite=require_finite)
+    except (CorruptCheckpoint, CheckpointNotFound, NonFiniteCheckpoint) as e:
         reasons = [f"step {s.step}: {s.status.lower()}: {s.error}" for s in skipped]
         message = (
             f"resume {path}: checkpoints were committed but none can be loaded whole "
@@ -81,7 +83,17 @@ def resume(
             log.error("%s; starting fresh as allowed", message)
             return None
         raise CheckpointNotFound(message) from e
-    if lead:
+    if lead and res.unhealthy:
+        # Loud: training goes on from an older step than the newest it saved.
+        log.warning(
+            "resume %s: resumed from step %d, the newest step with finite values: passed over "
+            "step(s) %s whose saved stats count NaN or Inf values (require_finite): %s",
+            path,
+            res.step,
+            ", ".join(map(str, res.unhealthy)),
+            res.fallback_reason,
+        )
+    elif lead:
         log.info(
             "resume %s: resumed from step %d%s",
             path,
