@@ -96,8 +96,8 @@ def plan_box(
 class ShardReads:
     """What a set of boxes needs from one shard file: its reads and where each one goes."""
 
-    shard: int  # position of the shard in the manifest
-    path: str  # the shard file, relative to the job directory
+    shard: int  # position of the file in OpenCheckpoint.files
+    path: str  # the file, relative to the job directory (an earlier step's when borrowed)
     reads: list[EntryRead]
     sinks: list[Callable[[int, np.ndarray], Any]]  # (byte offset in the entry, verified bytes)
     # Where a read's whole entry lands unchanged in its box (else None): the reader may
@@ -116,7 +116,6 @@ class BoxPlan:
 def plan_boxes(ck: OpenCheckpoint, boxes: Sequence[BoxRead]) -> BoxPlan:
     """The reads of every box, grouped by shard file; touches no tensor byte."""
     block = ck.manifest.block_size
-    position = {id(s): i for i, s in enumerate(ck.manifest.shards)}
     per_shard: dict[str, ShardReads] = {}
     total = 0
     for box in boxes:
@@ -125,10 +124,10 @@ def plan_boxes(ck: OpenCheckpoint, boxes: Sequence[BoxRead]) -> BoxPlan:
         if box.out.dtype != np.uint8 or box.out.nbytes != need:
             raise ValueError(f"key {box.key!r}: the buffer for the box must be {need} bytes")
         for chunk, ov in plan_box(ck, box.key, box.offsets, box.sizes):
-            path = ck.shard_path(chunk.shard)
+            path = ck.entry_path(chunk.entry)  # its own shard, or a step it borrows from
             reads = per_shard.get(path)
             if reads is None:
-                reads = per_shard[path] = ShardReads(position[id(chunk.shard)], path, [], [])
+                reads = per_shard[path] = ShardReads(ck.file_no(path), path, [], [])
             ranges = None if ov.whole else ov.ranges(block)
             reads.reads.append(EntryRead(chunk.entry, ranges))
             reads.sinks.append(functools.partial(ov.copy, box.out))

@@ -95,13 +95,17 @@ class Checkpointer:
         mirror_keep_last: int | None = None,
         mirror_close_timeout_s: float = 600.0,
         memory: MemoryTier | None = None,
+        incremental: bool = False,
     ):
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if mirror_keep_last is not None and mirror_keep_last < 1:
             raise ValueError(f"mirror_keep_last must be at least 1, got {mirror_keep_last}")
         self.options = SaveOptions(
-            verify=verify, keep_last=keep_last, staging_budget_bytes=staging_budget_bytes
+            verify=verify,
+            keep_last=keep_last,
+            staging_budget_bytes=staging_budget_bytes,
+            incremental=incremental,
         )
         if save_on_preemption:
             _hooks.check_main_thread()  # before anything is started that would need closing
@@ -345,6 +349,9 @@ class Checkpointer:
             keep_last=job.options.keep_last,
             parent=parent,
         )
+        if job.options.incremental:
+            # Unchanged entries borrow the bytes of the step this state descends from.
+            job.borrow_from(ckfmt.borrowable(self.storage, parent, self.rank))
         if job.over_budget:
             with save.leased(begun.lease_s):
                 job.write_overflow(begun.write, digests)
@@ -373,6 +380,7 @@ class Checkpointer:
             step=job.step,
             path=f"{self.storage.url}/{layout.step_dir(job.step)}",
             bytes=job.written_bytes(begun.write),
+            borrowed_bytes=job.borrowed_bytes,
             seconds=pending.timings.blocking_s + time.perf_counter() - t0,
             write_s=stats.write_s,
             verify_s=stats.verify_s,

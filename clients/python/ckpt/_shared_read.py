@@ -191,9 +191,8 @@ def make_pieces(
     replicated entry, however many ranks), each cut at `limit` bytes.
     """
     entries: dict[tuple[int, int], IndexEntry] = {}
-    for s, idx in enumerate(ck.indexes):
-        for e in idx.entries:
-            entries[(s, e.offset)] = e
+    for f, e in ck.stored():  # by file: a borrowed entry's bytes are in another step's
+        entries[(f, e.offset)] = e
     runs: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for r, a in enumerate(said):
         for shard, off, first, count in a.needs.tolist():
@@ -364,7 +363,7 @@ def _read_mine(
 
             read_entries(
                 ck.storage,
-                ck.shard_path(ck.manifest.shards[shard]),
+                ck.files[shard],
                 reads,
                 block,
                 sink=sink,
