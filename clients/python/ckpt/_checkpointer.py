@@ -55,6 +55,12 @@ class Checkpointer:
     coordinator: "host:port" of a `ckptd serve`; default $CKPTD_ADDRESS, else zero-config
         (this process, or rank 0 under torchrun, hosts one).
     keep_last: keep the newest N committed steps (None: keep all).
+    incremental: write only the entries whose bytes changed since the step this state
+        descends from (every block hash compared); the others borrow that step's bytes
+        (docs/format.md, Borrowed entries). For states with large unchanged parts (a
+        frozen base under LoRA, reference models); nothing is saved when every weight
+        changes. Off by default: a step that borrows is format version 3, which older
+        ckptd refuse, and its lenders stay while it is kept.
     mirror: a second tier (an fsspec URL such as "s3://bucket/job", a path, or a Storage
         built with its own options, e.g. FsspecStorage(url, endpoint_url=...)): each
         committed step is copied there in the background, read back and verified, and
