@@ -117,7 +117,9 @@ class Bench:
             "ckpt full (LoRA)": ckpt.Checkpointer(work / "full", **opts),
             "ckpt incremental (LoRA)": ckpt.Checkpointer(work / "incr", incremental=True, **opts),
             "ckpt full (all changed)": ckpt.Checkpointer(work / "dense-full", **opts),
-            "ckpt incremental (all changed)": ckpt.Checkpointer(work / "dense-incr", incremental=True, **opts),
+            "ckpt incremental (all changed)": ckpt.Checkpointer(
+                work / "dense-incr", incremental=True, **opts
+            ),
         }
         self.dcp_dirs: list[Path] = []
 
@@ -245,9 +247,24 @@ def report(b: Bench, reg: C.Registry, times: dict, errors: dict, args: Any) -> N
             f"{len(ts)}/{args.reps}"
         )
     rows = [
-        ("incremental / full: bytes written (LoRA)", "ckpt incremental (LoRA)", "ckpt full (LoRA)", "bytes"),
-        ("incremental / full: save time (LoRA)", "ckpt incremental (LoRA)", "ckpt full (LoRA)", "time"),
-        ("incremental / DCP: bytes written (LoRA)", "ckpt incremental (LoRA)", "DCP (LoRA)", "bytes"),
+        (
+            "incremental / full: bytes written (LoRA)",
+            "ckpt incremental (LoRA)",
+            "ckpt full (LoRA)",
+            "bytes",
+        ),
+        (
+            "incremental / full: save time (LoRA)",
+            "ckpt incremental (LoRA)",
+            "ckpt full (LoRA)",
+            "time",
+        ),
+        (
+            "incremental / DCP: bytes written (LoRA)",
+            "ckpt incremental (LoRA)",
+            "DCP (LoRA)",
+            "bytes",
+        ),
         ("incremental / DCP: save time (LoRA)", "ckpt incremental (LoRA)", "DCP (LoRA)", "time"),
         ("full / DCP: save time (LoRA)", "ckpt full (LoRA)", "DCP (LoRA)", "time"),
         (

@@ -20,11 +20,11 @@ import pytest
 from coordinator_fixtures import ckptctl, read_catalog, step_files, wait_for
 from crash_harness import (
     COORDINATOR_POINTS,
-    assert_loads,
     NODE_POINTS,
     RANK_POINTS,
     RETENTION_POINTS,
     Job,
+    assert_loads,
     check_invariant,
     committed_on_storage,
     wait_all,

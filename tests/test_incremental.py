@@ -9,7 +9,6 @@ gc keep what a kept step borrows.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -87,7 +86,9 @@ def test_unchanged_entries_are_borrowed_not_written(tmp_path: Path) -> None:
     assert m3.borrows == [1]  # references never chain: step 3 names step 1's file, not 2's
     doc = read_json(job / "step-000000000003" / "MANIFEST.json")
     assert doc["version"] == mf.BORROWING_VERSION
-    files = {e["file"] for e in read_json(job / "step-000000000003/shards/rank-00000.json")["entries"]}
+    files = {
+        e["file"] for e in read_json(job / "step-000000000003/shards/rank-00000.json")["entries"]
+    }
     assert files == {"shards/rank-00000.bin", "../step-000000000001/shards/rank-00000.bin"}
 
 
@@ -178,7 +179,8 @@ def test_keep_last_recycling_never_takes_a_lenders_file(tmp_path: Path) -> None:
     with ckpt.Checkpointer(job, incremental=True, keep_last=1) as c:
         for step in range(1, 8):
             c.save(state(step, base), step, blocking=True)
-            wait_for(lambda: len(committed(job)) == min(step, 2), 10, "retention")
+            want = min(step, 2)
+            wait_for(lambda n=want: len(committed(job)) == n, 10, "retention")
             assert committed(job)[0] == 1
             for s in committed(job):
                 loads_as(job, s, state(s, base))
@@ -241,7 +243,9 @@ def test_a_borrow_that_escapes_the_job_is_refused(two: Path, file: str, tally) -
 
 def test_a_borrow_of_its_own_step_is_refused(two: Path, tally) -> None:
     edit_index(
-        two, 2, lambda d: _borrowed(d).__setitem__("file", "../step-000000000002/shards/rank-00000.bin")
+        two,
+        2,
+        lambda d: _borrowed(d).__setitem__("file", "../step-000000000002/shards/rank-00000.bin"),
     )
     with tally.bad_input("incremental: a step borrowing from itself"):
         with pytest.raises(InvalidManifest, match="another step"):
@@ -308,6 +312,8 @@ def test_commit_refuses_when_the_lender_went_away(
         c.save(state(1), 1, blocking=True)
         monkeypatch.setattr(writer.ShardWriter, "finish", finish)
         with tally.fault("incremental: the lender removed while a save borrows from it"):
-            with pytest.raises(ckpt.CkptError, match="borrows bytes from step 1, which is no longer"):
+            with pytest.raises(
+                ckpt.CkptError, match="borrows bytes from step 1, which is no longer"
+            ):
                 c.save(state(2), 2, blocking=True)
     assert not (job / "step-000000000002" / "MANIFEST.json").exists()

@@ -316,9 +316,7 @@ def line_of(infos: Iterable[StepInfo]) -> list[int]:
     infos = list(infos)
     return live_line(
         (
-            LineStep(
-                s.step, s.manifest.parent, s.manifest.created_unix, tuple(s.manifest.borrows)
-            )
+            LineStep(s.step, s.manifest.parent, s.manifest.created_unix, tuple(s.manifest.borrows))
             for s in infos
             if s.manifest is not None and s.status in (COMMITTED, QUARANTINED)
         ),
@@ -405,10 +403,7 @@ def check_borrowed(storage: Storage, m: Manifest, indexes: Iterable[ShardIndex])
             if lent is None:
                 continue
             k, name = lent
-            where = (
-                f"job {storage.url} step {m.step} rank {idx.rank} key {e.key!r} "
-                f"(file {e.file})"
-            )
+            where = f"job {storage.url} step {m.step} rank {idx.rank} key {e.key!r} (file {e.file})"
             if k not in lenders:
                 try:
                     lm = read_manifest(storage, k)
