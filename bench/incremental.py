@@ -158,6 +158,40 @@ class Bench:
             cp.close()
 
 
+def lookup_cost(b: Bench, n: int = 5) -> list[float]:
+    """The work an incremental save does that a full one does not, alone: reading its
+    base's index (checkpoint.borrowable) and matching every entry against it."""
+    from ckptd.format import checkpoint as ckfmt
+    from ckptd.format.manifest import IndexEntry
+
+    cp = b.cps.get("ckpt incremental (all changed)")
+    if cp is None:
+        return []
+    base = ckfmt.latest_step(cp.storage)
+    flat = C.flat_tensors(b.dense)
+    items = [
+        IndexEntry(
+            k,
+            str(t.dtype).removeprefix("torch."),
+            list(t.shape),
+            [0] * t.dim(),
+            list(t.shape),
+            0,
+            0,
+            [],
+        )
+        for k, t in flat
+    ]
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        got = ckfmt.borrowable(cp.storage, base, 0)
+        for it in items:
+            got.get(ckfmt.borrow_key(it))
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def registry(b: Bench) -> C.Registry:
     reg: C.Registry = []
     for name in ("ckpt full (LoRA)", "ckpt incremental (LoRA)"):
@@ -213,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         train_step(b.lora, everything=False)
         train_step(b.dense, everything=True)
         times, errors = C.run_reps(reg, b, args.reps, after_rep=next_step)
+        b.notes["base_lookup_s"] = lookup_cost(b)
         b.notes["loadavg_start"], b.notes["loadavg_end"] = load, os.getloadavg()
         b.notes["written_bytes_per_save"] = b.written
         report(b, reg, times, errors, args)
@@ -281,13 +316,27 @@ def report(b: Bench, reg: C.Registry, times: dict, errors: dict, args: Any) -> N
         ),
     ]
     ratios = []
-    print("\nratios (of medians)")
+    print("\nratios (of medians; time ratios also as the median of each step's own ratio,")
+    print("the two methods run back to back in one repetition: robust to a slow minute)")
     for label, num, den, kind in rows:
         src = wrote if kind == "bytes" else med
         if num in src and den in src and src[den]:
             r = src[num] / src[den]
-            ratios.append({"ratio": label, "value": r})
-            print(f"  {label:<52} {r:8.4f}")
+            row: dict[str, Any] = {"ratio": label, "value": r}
+            extra = ""
+            if kind == "time" and len(times[num]) == len(times[den]):
+                pairs = [a / b for a, b in zip(times[num], times[den], strict=True)]
+                row["paired_median"] = statistics.median(pairs)
+                row["paired_min_max"] = (min(pairs), max(pairs))
+                extra = f"   paired {row['paired_median']:.4f} ({min(pairs):.2f}-{max(pairs):.2f})"
+            ratios.append(row)
+            print(f"  {label:<52} {r:8.4f}{extra}")
+    look = b.notes.get("base_lookup_s")
+    if look:
+        print(
+            f"\nwhat an incremental save adds (finding its base's entries: one index read "
+            f"and the matching, median of {len(look)}): {statistics.median(look) * 1e3:.1f} ms"
+        )
     result = {
         "bench": "incremental",
         "units": "GB = 1e9 bytes; seconds wall clock",

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptd.errors import InvalidManifest, StateMismatch
+from ckptd.errors import CorruptCheckpoint, InvalidManifest, StateMismatch
 from ckptd.format import dtypes
 from ckptd.format.checkpoint import Chunk, OpenCheckpoint
 from ckptd.format.manifest import IndexEntry
@@ -153,17 +153,20 @@ def read_planned(
         def sink(i: int, start: int, data: np.ndarray) -> None:
             sr.sinks[i](start, data)
 
-        read_entries(
-            ck.storage,
-            sr.path,
-            sr.reads,
-            block,
-            sink=sink,
-            threads=threads,
-            cold=cold,
-            progress=progress,
-            into=sr.into or None,
-        )
+        try:
+            read_entries(
+                ck.storage,
+                sr.path,
+                sr.reads,
+                block,
+                sink=sink,
+                threads=threads,
+                cold=cold,
+                progress=progress,
+                into=sr.into or None,
+            )
+        except CorruptCheckpoint as e:
+            raise borrowed_context(ck, sr.shard, e) from e
 
     if len(plan.shards) == 1:
         load_shard(plan.shards[0])
@@ -171,6 +174,17 @@ def read_planned(
         with ThreadPoolExecutor(min(4, len(plan.shards))) as pool:
             list(pool.map(load_shard, plan.shards))
     return plan.bytes
+
+
+def borrowed_context(ck: OpenCheckpoint, file: int, e: CorruptCheckpoint) -> CorruptCheckpoint:
+    """`e` (a read of file number `file` of `ck` failed), saying which step borrowed the
+    bytes when the file is a lender's: the error names the lender's file, not the step."""
+    if file < len(ck.manifest.shards):
+        return e
+    return type(e)(
+        f"job {ck.storage.url} step {ck.step} borrows bytes from {ck.files[file]}, and "
+        f"they fail: {e}"
+    )
 
 
 def read_boxes(

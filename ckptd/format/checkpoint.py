@@ -450,7 +450,17 @@ def borrowable(storage: Storage, step: int | None, rank: int) -> dict[tuple[Any,
     out: dict[tuple[Any, ...], IndexEntry] = {}
     for e in index.entries:
         file = e.file if e.borrowed_from is not None else layout.borrowed_file(step, e.file)
-        out[borrow_key(e)] = dataclasses.replace(e, file=file)
+        out[borrow_key(e)] = IndexEntry(
+            e.key,
+            e.dtype,
+            e.shape,
+            e.chunk_offsets,
+            e.chunk_sizes,
+            e.offset,
+            e.length,
+            e.blake3,
+            file,
+        )
     return out
 
 

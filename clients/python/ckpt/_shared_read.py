@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ckptd import knobs
 from ckptd.errors import CkptError, CorruptCheckpoint, PeerReadFailed
 from ckptd.format import hashing
-from ckptd.format.boxes import BoxPlan
+from ckptd.format.boxes import BoxPlan, borrowed_context
 from ckptd.format.checkpoint import OpenCheckpoint
 from ckptd.format.manifest import IndexEntry
 from ckptd.format.reader import EntryRead, covering_blocks, read_entries
@@ -370,7 +370,7 @@ def _read_mine(
                 threads=threads,
             )
     except CorruptCheckpoint as e:
-        return e
+        return borrowed_context(ck, shard, e)
     return None
 
 
