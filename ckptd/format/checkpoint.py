@@ -15,6 +15,7 @@ step) skips it. Removing the marker puts the step back.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -450,17 +451,9 @@ def borrowable(storage: Storage, step: int | None, rank: int) -> dict[tuple[Any,
     out: dict[tuple[Any, ...], IndexEntry] = {}
     for e in index.entries:
         file = e.file if e.borrowed_from is not None else layout.borrowed_file(step, e.file)
-        out[borrow_key(e)] = IndexEntry(
-            e.key,
-            e.dtype,
-            e.shape,
-            e.chunk_offsets,
-            e.chunk_sizes,
-            e.offset,
-            e.length,
-            e.blake3,
-            file,
-        )
+        lent = copy.copy(e)  # every field the entry has: what they say of the bytes holds
+        lent.file = file
+        out[borrow_key(e)] = lent
     return out
 
 
