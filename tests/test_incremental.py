@@ -356,3 +356,18 @@ def test_mirror_step_copies_a_missing_lender_first(tmp_path: Path) -> None:
     mirror_step(open_storage(str(job)), open_storage(str(mirror), create=True), 2)
     assert committed(mirror) == [1, 2]
     loads_as(mirror, 2, state(2))
+
+
+def test_resume_lands_on_the_newest_step_through_its_borrows(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    with ckpt.Checkpointer(job, incremental=True) as c:
+        for step in (1, 2, 3):
+            c.save(state(step), step, blocking=True)
+    got = blank()
+    with ckpt.Checkpointer(job, incremental=True) as c:
+        res = c.resume(got)
+        assert res is not None and res.step == 3 and same(got, state(3))
+        # Saving on from a resumed step borrows from it (its parent), not from scratch.
+        r = c.save(state(4), 4, blocking=True).wait()
+        assert r is not None and r.borrowed_bytes == BASE_BYTES
+    assert ckfmt.read_manifest(open_storage(str(job)), 4).borrows == [1]
