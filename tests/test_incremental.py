@@ -371,3 +371,40 @@ def test_resume_lands_on_the_newest_step_through_its_borrows(tmp_path: Path) -> 
         r = c.save(state(4), 4, blocking=True).wait()
         assert r is not None and r.borrowed_bytes == BASE_BYTES
     assert ckfmt.read_manifest(open_storage(str(job)), 4).borrows == [1]
+
+
+def test_a_lender_the_device_cannot_read_is_not_quarantined(
+    two: Path, monkeypatch: pytest.MonkeyPatch, tally
+) -> None:
+    """EIO on the lender's file may be transient: the borrowing step is skipped this time,
+    never marked bad (the load policy reads the error's cause, which the borrowing
+    step's context keeps)."""
+    import errno
+
+    from ckptd.errors import StorageError
+    from ckptd.storage.base import ReadHandle
+    from ckptd.storage.local import LocalStorage
+
+    class Failing(ReadHandle):
+        def __init__(self, h: ReadHandle):
+            self.h, self.size, self.path = h, h.size, h.path
+
+        def read(self, offset: int, length: int):  # noqa: ANN201
+            raise StorageError(errno.EIO, f"read {self.path} at {offset} failed: EIO")
+
+        def close(self) -> None:
+            self.h.close()
+
+    class EIOStorage(LocalStorage):
+        def open_read(self, path: str, *, cold: bool = False) -> ReadHandle:
+            h = super().open_read(path, cold=cold)
+            return Failing(h) if path.startswith("step-000000000001/") else h
+
+    monkeypatch.setattr(ckpt._api, "open_storage", lambda p, **kw: EIOStorage(str(p)))
+    with tally.fault("incremental: EIO reading a lender's file"):
+        with pytest.raises(ckpt.CkptError, match="EIO"):
+            ckpt.load(blank(), str(two))
+    st = open_storage(str(two))
+    assert ckfmt.quarantine_reason(st, 2) is None and ckfmt.quarantine_reason(st, 1) is None
+    monkeypatch.undo()
+    loads_as(two, 2, state(2))

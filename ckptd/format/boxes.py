@@ -166,7 +166,7 @@ def read_planned(
                 into=sr.into or None,
             )
         except CorruptCheckpoint as e:
-            raise borrowed_context(ck, sr.shard, e) from e
+            raise borrowed_context(ck, sr.shard, e)  # noqa: B904 - keeps e's own cause
 
     if len(plan.shards) == 1:
         load_shard(plan.shards[0])
@@ -181,10 +181,14 @@ def borrowed_context(ck: OpenCheckpoint, file: int, e: CorruptCheckpoint) -> Cor
     bytes when the file is a lender's: the error names the lender's file, not the step."""
     if file < len(ck.manifest.shards):
         return e
-    return type(e)(
+    new = type(e)(
         f"job {ck.storage.url} step {ck.step} borrows bytes from {ck.files[file]}, and "
         f"they fail: {e}"
     )
+    # The cause is the load policy's evidence (a read the device refused is transient,
+    # never quarantined: ckpt._load), so it stays the original's.
+    new.__cause__ = e.__cause__
+    return new
 
 
 def read_boxes(
