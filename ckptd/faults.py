@@ -7,6 +7,7 @@ one dict lookup. Points in use:
     rank.after_stage  rank.mid_write  rank.before_report  rank.after_report
     coordinator.after_barrier  coordinator.mid_manifest  coordinator.after_manifest_rename
     coordinator.after_catalog_commit  coordinator.during_retention
+    coordinator.retention_unpublished  coordinator.retention_mid_recycle (inside a retirement)
     coordinator.node_batch_unanswered  coordinator.mid_node_reports (node batches only)
 """
 

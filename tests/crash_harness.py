@@ -59,11 +59,18 @@ COORDINATOR_POINTS = {
     "coordinator.after_manifest_rename": 2,  # committed on storage: the restart records it
     "coordinator.after_catalog_commit": 2,  # committed; the ranks' retries are told so
     "coordinator.during_retention": 2,  # retiring an older step after committing the new one
+    "coordinator.retention_unpublished": 2,  # a retired step's manifest gone, its files not
+    "coordinator.retention_mid_recycle": 2,  # a retired step's files half moved to the pool
     # Node batches only (the ranks save through their node's aggregator):
     "coordinator.node_batch_unanswered": 1,  # planned, the BeginSaveNode not answered: aborts
     "coordinator.mid_node_reports": 1,  # the node's reports checked, no row durable: aborts
 }
 NODE_POINTS = ("coordinator.node_batch_unanswered", "coordinator.mid_node_reports")
+RETENTION_POINTS = (
+    "coordinator.during_retention",
+    "coordinator.retention_unpublished",
+    "coordinator.retention_mid_recycle",
+)
 
 _ctx: Any = None
 _SCRUB = ("CKPT_", "CKPTD_", "TORCHELASTIC_")
@@ -188,6 +195,7 @@ class Job:
         keep_last: int | None = None,
         timeout_s: float = 60,
         node: bool = False,
+        incremental: bool = False,
     ) -> list[Rank]:
         """Start `world` ranks doing `actions` (rank r does only[r] instead, if given).
         node: the ranks are one node of a gloo process group (LOCAL_WORLD_SIZE = world),
@@ -214,6 +222,7 @@ class Job:
                     "lease_s": lease_s,
                     "timeout_s": timeout_s,
                     "keep_last": keep_last,
+                    "incremental": incremental,
                     "process_group": node,
                     "actions": (only or {}).get(r, actions),
                 },
@@ -229,17 +238,20 @@ class Job:
         self.ranks.extend(ranks)
         return ranks
 
-    def save_in_process(self, steps: Iterable[int], *, world: int = 2, keep_last: int = 0) -> None:
+    def save_in_process(
+        self, steps: Iterable[int], *, world: int = 2, keep_last: int = 0, frozen: bool = False
+    ) -> None:
         """Commit `steps` (seed = step, as plain_rank saves them) with the real core and
         writer in this process, on the catalog `ckptd serve` will use: the checkpoints a
-        crash test starts from, without paying for rank processes."""
+        crash test starts from, without paying for rank processes. frozen: with the
+        tensor an incremental save borrows (make_state)."""
 
         async def go() -> None:
             async with started(new_core(self.root)) as core:
                 for step in steps:
                     sims = [RankSim(core, str(self.job), r, world) for r in range(world)]
                     for sim in sims:
-                        sim.prepare(make_state(step, sim.rank, step))
+                        sim.prepare(make_state(step, sim.rank, step, frozen))
                     got = await asyncio.gather(
                         *(
                             sim.save(step, metadata={"seed": step}, keep_last=keep_last)
@@ -280,17 +292,24 @@ def wait_all(ranks: list[Rank], fx: Job, timeout: float = 90) -> list[int]:
 
 
 def assert_loads(
-    job: Path, step: int, seed: int, world: int, monkeypatch: pytest.MonkeyPatch
+    job: Path,
+    step: int,
+    seed: int,
+    world: int,
+    monkeypatch: pytest.MonkeyPatch,
+    frozen: bool = False,
 ) -> None:
     """Load `step` as every rank would (in this process) and compare bit-exactly."""
     for r in range(world):
         monkeypatch.setenv("RANK", str(r))
         monkeypatch.setenv("WORLD_SIZE", str(world))
-        want = make_state(seed, r, step)
-        got = make_state(seed + 999, r, -1)
+        want = make_state(seed, r, step, frozen)
+        got = make_state(seed + 999, r, -1, frozen)
+        if frozen:
+            got["frozen"].zero_()
         res = ckpt.load(got, str(job), step=step, fallback=False)
         assert res.step == step and res.metadata == {"seed": seed}
-        for k in ("w", "b", "ids"):
+        for k in ("w", "b", "ids", *(("frozen",) if frozen else ())):
             assert got[k].dtype == want[k].dtype and tensor_raw(got[k]) == tensor_raw(want[k]), k
         assert tensor_raw(got["mine"].value) == tensor_raw(want["mine"].value)
         assert got["who"].value == want["who"].value and got["step"] == step
@@ -320,6 +339,7 @@ def check_invariant(
     world: int,
     monkeypatch: pytest.MonkeyPatch,
     catalog: Path | None = None,
+    frozen: bool = False,
 ) -> int:
     """The invariant after a kill and recovery; returns the newest committed step.
 
@@ -338,7 +358,7 @@ def check_invariant(
             # coordinator) removes an old step manifest first; that is not damage.
             continue
         assert rep.ok, f"{job} step {s} is committed but does not verify: {rep.problems}"
-    assert_loads(job, newest, newest, world, monkeypatch)
+    assert_loads(job, newest, newest, world, monkeypatch, frozen)
     if catalog is not None and catalog.exists():
         rows = read_catalog(catalog)
         cat_committed = sorted(s for s, r in rows.items() if r["status"] == "COMMITTED")

@@ -22,13 +22,17 @@ from crash_harness import (
     COORDINATOR_POINTS,
     NODE_POINTS,
     RANK_POINTS,
+    RETENTION_POINTS,
     Job,
+    assert_loads,
     check_invariant,
     committed_on_storage,
     wait_all,
 )
 
 import ckptd.faults
+from ckptd.format import checkpoint as ckfmt
+from ckptd.storage import open_storage
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -93,9 +97,13 @@ def test_rank_killed_at(point: str, fx: Job, tally, monkeypatch: pytest.MonkeyPa
 # Each coordinator point with the ranks calling the coordinator themselves, and again with
 # them saving through their node's aggregator (node batches): a restart mid-save must end
 # in the same states either way. The node-batch points exist only in the latter.
+# The retention points once more with an incremental save (per-rank): the new step
+# borrows from the one before, so the retention that retires the oldest step must keep
+# that one (shared blocks), however it is killed.
 COORDINATOR_CASES = [
     *((p, "per-rank") for p in COORDINATOR_POINTS if p not in NODE_POINTS),
     *((p, "node") for p in COORDINATOR_POINTS),
+    *((p, "incremental") for p in RETENTION_POINTS),
 ]
 
 
@@ -103,17 +111,21 @@ COORDINATOR_CASES = [
 def test_coordinator_killed_at(
     point: str, protocol: str, fx: Job, tally, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # during_retention needs an older step to retire: keep the newest 2 of 1, 2, 3.
-    retention = point == "coordinator.during_retention"
+    # Retention needs an older step to retire: keep the newest 2 of 1, 2, 3; incremental:
+    # keep the newest 1, and 2 stays too because 3 borrows from it.
+    retention = point in RETENTION_POINTS
+    incremental = protocol == "incremental"
     old = [1, 2] if retention else [1]
     new = old[-1] + 1
-    keep = 2 if retention else None
-    fx.save_in_process(old, keep_last=keep or 0)
+    keep = (1 if incremental else 2) if retention else None
+    fx.save_in_process(old, keep_last=0 if incremental else keep or 0, frozen=incremental)
     serve = fx.serve(lease_s=30)
     node = protocol == "node"
-    with tally.fault(f"crash:{point}" + (" (node batches)" if node else "")):
+    with tally.fault(f"crash:{point}" + (f" ({protocol})" if protocol != "per-rank" else "")):
         serve.start(env={"CKPT_CRASH_AT": point})
-        ranks = fx.launch(serve, "a1", [_save(new)], keep_last=keep, node=node)
+        ranks = fx.launch(
+            serve, "a1", [_save(new)], keep_last=keep, node=node, incremental=incremental
+        )
         assert serve.wait_dead(60) == -signal.SIGKILL, serve.log()
         serve.start()  # recovery: finish or abort what the killed life left
         codes = wait_all(ranks, fx)
@@ -122,12 +134,22 @@ def test_coordinator_killed_at(
         for r in ranks:
             outcome = r.outcomes()
             assert outcome == ["ok" if expect == new else "SaveAborted"], (outcome, fx.logs())
-        check_invariant(fx.job, [expect], world=2, monkeypatch=monkeypatch, catalog=serve.catalog)
+        check_invariant(
+            fx.job,
+            [expect],
+            world=2,
+            monkeypatch=monkeypatch,
+            catalog=serve.catalog,
+            frozen=incremental,
+        )
         if expect == old[-1]:
             assert step_files(fx.job, new) == [], "the aborted save left files"
         if retention:  # the restarted coordinator finished retiring step 1
-            assert committed_on_storage(fx.job) == [2, 3]
+            wait_for(lambda: committed_on_storage(fx.job) == [2, 3], 10, "retention")
             assert not (fx.job / "step-000000000001").exists()
+        if incremental:  # step 3 borrows from 2, which retention kept (keep_last=1)
+            assert ckfmt.read_manifest(open_storage(str(fx.job)), 3).borrows == [2]
+            assert_loads(fx.job, 2, 2, 2, monkeypatch, frozen=True)
         rc, out, err = ckptctl("verify", str(fx.job), "--all")
         assert rc == 0, out + err
     assert serve.stop() == 0

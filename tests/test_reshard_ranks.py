@@ -111,3 +111,33 @@ def test_damage_seen_by_one_rank_makes_every_rank_fall_back(
     assert sum("another rank" in reason for reason in reasons) == 1
     marker = json.loads((step / "QUARANTINED.json").read_text())
     assert "rows" in marker["reason"] and marker["step"] == 20
+
+
+@pytest.fixture(scope="module")
+def saved_incremental(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("reshard-incr")
+    job, out = root / "job", root / "out"
+    out.mkdir()
+    spawn(4, "save-incremental", job, out)
+    return job, out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_incremental_step_loads_at_another_world_size(
+    saved_incremental: tuple[Path, Path], world: int
+) -> None:
+    """Step 20 borrows its unchanged DTensor shards and plain tensor from step 10; a
+    resharding load under a process group (shared reads) follows the borrows, bit-exact."""
+    job, out = saved_incremental
+    m = json.loads((job / "step-000000000020" / "MANIFEST.json").read_text())
+    assert m["version"] == 3 and any(s.get("borrows") == [10] for s in m["shards"])
+    entries = [
+        e
+        for s in m["shards"]
+        for e in json.loads((job / "step-000000000020" / s["index"]).read_text())["entries"]
+    ]
+    lent = {e["key"] for e in entries if e["file"].startswith("../step-000000000010/")}
+    assert {"rows", "grid", "plain"} <= lent and "cols" not in lent
+    results = spawn(world, "load", job, out)
+    assert all(r["result"]["step"] == 20 and r["result"]["fell_back_from"] is None for r in results)

@@ -29,6 +29,7 @@ def entry(offset: int, length: int) -> IndexEntry:
 def checkpoint(entries: list[IndexEntry]) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         indexes=[types.SimpleNamespace(entries=entries)],
+        stored=lambda: ((0, e) for e in entries),  # one file: the one shard
         storage=types.SimpleNamespace(url="memory://job"),
         step=7,
     )

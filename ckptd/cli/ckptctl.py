@@ -250,8 +250,9 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
             "chunk_sizes": c.entry.chunk_sizes,
             "bytes": c.entry.length,
             "rank": c.shard.rank,
-            "file": c.shard.path,
+            "file": c.entry.file or c.shard.path,
             "offset": c.entry.offset,
+            "borrowed_from": c.entry.borrowed_from,
         }
         for chunks in ck.chunks.values()
         for c in chunks
@@ -269,6 +270,9 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
                 "created_unix": m.created_unix,
                 "block_size": m.block_size,
                 "bytes": ck.total_bytes,
+                "owned_bytes": ck.owned_bytes,
+                "borrowed_bytes": ck.borrowed_bytes,
+                "borrows": m.borrows,
                 "metadata": m.metadata,
                 "shards": [s.to_json() for s in m.shards],
                 "tensors": entries,
@@ -284,6 +288,14 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     print(
         f"size       {human_bytes(ck.total_bytes)} in {len(m.shards)} shard(s), block {human_bytes(m.block_size)}"
     )
+    if m.borrows:
+        lenders = ", ".join(map(str, m.borrows[:8])) + (" ..." if len(m.borrows) > 8 else "")
+        print(
+            f"owns       {human_bytes(ck.owned_bytes)} of tensor bytes; borrows "
+            f"{human_bytes(ck.borrowed_bytes)} from step(s) {lenders} (an incremental save)"
+        )
+    else:
+        print(f"owns       {human_bytes(ck.owned_bytes)} of tensor bytes; borrows none")
     if m.metadata:
         print(f"metadata   {json.dumps(m.metadata)[:200]}")
     print(f"values     {len(ck.chunks)} tensors, {plain} plain values")
@@ -295,10 +307,11 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
             "x".join(map(str, e["shape"])) or "()",
             human_bytes(e["bytes"]),
             str(e["rank"]),
+            "-" if e["borrowed_from"] is None else f"step {e['borrowed_from']}",
         ]
         for e in entries
     ]
-    _print_table(rows, ["KEY", "DTYPE", "SHAPE", "SIZE", "RANK"])
+    _print_table(rows, ["KEY", "DTYPE", "SHAPE", "SIZE", "RANK", "BORROWED"])
     if stats is not None:
         print()
         _print_stats(stats)
@@ -622,6 +635,13 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
             for s in states
             if s.status in (retention.COMMITTED, retention.QUARANTINED) and s.step not in line
         )
+    # A step a kept step borrows bytes from (an incremental save) stays, whatever asked for
+    # its removal: the retention rule's to say (retention.keep_borrowed).
+    held = retention.keep_borrowed(states, doomed) | set(plan.held if args.keep_last else ())
+    for k in sorted(held):
+        doomed.pop(k, None)
+        if not args.json:
+            print(f"kept {layout.step_dir(k)} (a step that stays borrows bytes from it)")
     doomed_steps = sorted(doomed.items())
     strays = _stray_files(
         storage, [s for s in steps if s.status in (ckfmt.COMMITTED, ckfmt.QUARANTINED)]
@@ -671,6 +691,7 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
                 "path": storage.url,
                 "dry_run": args.dry_run,
                 "removed": [s for s, _ in doomed_steps],
+                "held": sorted(held),
                 "steps": [{"step": s, "reason": r} for s, r in doomed_steps],
                 "stray_files": strays,
                 "recycled_files": len(pool),

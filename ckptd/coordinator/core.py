@@ -110,6 +110,8 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
         self.observer: obs.SaveObserver = obs.SaveObserver()  # metrics plug in here
         self._storages: dict[str, Storage] = {}
         self.sessions: dict[tuple[str, int], Session] = {}
+        # job -> (step, saved_unix) -> the steps its manifest borrows from (retention).
+        self._borrows: dict[str, dict[tuple[int, float], tuple[int, ...]]] = {}
         self.layouts = layouts.LayoutCache()  # the ranks' plan layouts, for cached plans
         self.report_checks = ReportChecks()  # storage checks of reports arriving together
         self._watchdog: asyncio.Task[None] | None = None
@@ -670,6 +672,9 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
             return
         in_flight = {step for j, step in self.sessions if j == job}
         steps = retention.from_catalog(self.catalog.saves(job), dirs, in_flight)
+        # What the steps borrow (incremental saves): from their manifests, each read once.
+        known = self._borrows.setdefault(job, {})
+        steps = await asyncio.to_thread(retention.with_borrows, st, steps, known)
         plan = retention.plan(steps, keep_last, keep=(committed,))
         await retention.carry_out(
             self.catalog, st, job, plan, began=lambda step: (job, step) in self.sessions

@@ -12,7 +12,11 @@ The promise: only steps of the job's live line (`ckfmt.live_line`: the save made
 back through each step's parent) are retired, never the newest `keep_last` of it, never
 the save the plan runs for (`keep`), never a step off the line (an abandoned branch after a
 rollback: kept and listed, `ckptctl list`, until the user removes it), never a save in
-flight, never a manifest that cannot be read (it may be whole).
+flight, never a manifest that cannot be read (it may be whole), and never a step that a
+step staying borrows bytes from (an incremental save's `borrows`, ShardInfo), nor the
+step a save in flight descends from (its base: what it may borrow): `keep_borrowed`, the
+one rule for what shared bytes hold, which `ckptctl gc`'s own removals obey too. A step
+is removed whole or not at all, so removing one frees only bytes nothing kept uses.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ class StepState:
     status: str
     saved_unix: float = 0.0  # when it was saved (0: unknown); the order of a live line
     parent: int | None = None  # the step it descends from (None: not recorded)
+    # The steps whose files it reads bytes from (an incremental save's); None: not known
+    # (a manifest that cannot be read), taken as every lower step (a save's base is the
+    # step it descends from, normally a lower one).
+    borrows: tuple[int, ...] | None = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +67,8 @@ class RetentionPlan:
 
     retire: tuple[int, ...] = ()
     debris: tuple[int, ...] = ()
+    # Steps the rule would retire that stay because a step that stays borrows from them.
+    held: tuple[int, ...] = ()
 
     @property
     def steps(self) -> tuple[int, ...]:
@@ -100,7 +110,31 @@ def plan(steps: Iterable[StepState], keep_last: int, keep: Collection[int] = ())
     debris = [s.step for s in steps if s.status == UNFINISHED and s.step < newest]
     retire = [k for k in retire if k not in keep]
     debris = [k for k in debris if k not in keep]
-    return RetentionPlan(tuple(sorted(retire)), tuple(sorted(debris)))
+    held = keep_borrowed(steps, retire)
+    retire = [k for k in retire if k not in held]
+    return RetentionPlan(tuple(sorted(retire)), tuple(sorted(debris)), tuple(sorted(held)))
+
+
+def keep_borrowed(steps: Iterable[StepState], removing: Collection[int]) -> set[int]:
+    """The steps of `removing` that must stay: those a step that stays borrows bytes from,
+    and, through them, what they borrow; a save in flight counts as staying and as
+    borrowing from the step it descends from (its base, known before its index is)."""
+    by_step = {s.step: s for s in steps}
+    gone = set(removing)
+    todo = [s for s in by_step.values() if s.step not in gone]
+    held: set[int] = set()
+    while todo:
+        s = todo.pop()
+        unknown = s.borrows is None or s.status == UNREADABLE
+        lent = {k for k in gone if k < s.step} if unknown else set(s.borrows or ())
+        if s.status == IN_FLIGHT and s.parent is not None:
+            lent.add(s.parent)
+        for k in lent:
+            if k in gone and k not in held:
+                held.add(k)
+                if k in by_step:
+                    todo.append(by_step[k])
+    return held
 
 
 # -- what the callers know ---------------------------------------------------------------
@@ -120,7 +154,33 @@ def from_storage(storage: Storage, in_flight: Collection[int] = ()) -> list[Step
             status = UNFINISHED
         else:  # INVALID: a manifest this reader cannot parse may still be whole
             status = UNREADABLE
-        out.append(StepState(info.step, status, saved, parent))
+        borrows = tuple(m.borrows) if m is not None else ()
+        out.append(StepState(info.step, status, saved, parent, borrows))
+    return out
+
+
+def with_borrows(
+    storage: Storage, steps: Iterable[StepState], known: dict[tuple[int, float], tuple[int, ...]]
+) -> list[StepState]:
+    """`steps` with what each committed or quarantined one borrows, from its manifest
+    (blocking). `known`: the caller's memory of them by (step, saved_unix); a committed
+    manifest never changes, so each is read once. One that cannot be read borrows
+    nothing known (it is not retired either: from_catalog's statuses)."""
+    out = []
+    for s in steps:
+        if s.status in (COMMITTED, QUARANTINED):
+            got = known.get((s.step, s.saved_unix))
+            if got is None:
+                try:
+                    got = tuple(ckfmt.read_manifest(storage, s.step).borrows)
+                except (CkptError, OSError):
+                    out.append(dataclasses.replace(s, borrows=None))  # unknown: holds more
+                    continue
+                if len(known) > 4096:
+                    known.clear()
+                known[(s.step, s.saved_unix)] = got
+            s = dataclasses.replace(s, borrows=got)
+        out.append(s)
     return out
 
 
@@ -140,9 +200,10 @@ def from_catalog(
         elif rec.status == SAVE_QUARANTINED:
             out[rec.step] = StepState(rec.step, QUARANTINED, rec.committed_unix, rec.parent)
         elif rec.status in (SAVE_OPEN, SAVE_COMMITTING):
-            out[rec.step] = StepState(rec.step, IN_FLIGHT, rec.created_unix)
+            out[rec.step] = StepState(rec.step, IN_FLIGHT, rec.created_unix, rec.parent)
     for step in in_flight:
-        out[step] = StepState(step, IN_FLIGHT)
+        if step not in out or out[step].status != IN_FLIGHT:
+            out[step] = StepState(step, IN_FLIGHT)
     for step, has_manifest in dirs.items():
         if step not in out:
             out[step] = StepState(step, UNREADABLE if has_manifest else UNFINISHED)

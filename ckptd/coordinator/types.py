@@ -40,6 +40,9 @@ class ShardReport:
     index_size: int
     index_blake3: str
     verify: str = "full"
+    # The steps whose files the shard's index borrows entries from (an incremental save);
+    # the manifest lists them (ShardInfo.borrows) and retention keeps them while it is kept.
+    borrows: tuple[int, ...] = ()
     # The rank's own timings (for metrics); not part of the report's identity, so a retried
     # report still matches.
     staging_s: float = dataclasses.field(default=0.0, compare=False)
@@ -47,17 +50,34 @@ class ShardReport:
     write_s: float = dataclasses.field(default=0.0, compare=False)
     verify_s: float = dataclasses.field(default=0.0, compare=False)
 
+    def __post_init__(self) -> None:
+        # A report read back from the catalog's JSON has a list here.
+        object.__setattr__(self, "borrows", tuple(self.borrows))
+
     @classmethod
     def of(cls, info: ShardInfo, verify: str, **timings: float) -> ShardReport:
         """The report of a written shard (ckptd.format.writer's ShardInfo)."""
         return cls(
-            info.path, info.size, info.index, info.index_size, info.index_blake3, verify, **timings
+            info.path,
+            info.size,
+            info.index,
+            info.index_size,
+            info.index_blake3,
+            verify,
+            tuple(info.borrows),
+            **timings,
         )
 
     def shard_info(self, rank: int) -> ShardInfo:
         """The manifest's entry for this shard: the one way from a report to a ShardInfo."""
         return ShardInfo(
-            rank, self.shard_path, self.size, self.index_path, self.index_size, self.index_blake3
+            rank,
+            self.shard_path,
+            self.size,
+            self.index_path,
+            self.index_size,
+            self.index_blake3,
+            list(self.borrows),
         )
 
 

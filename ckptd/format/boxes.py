@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptd.errors import InvalidManifest, StateMismatch
+from ckptd.errors import CorruptCheckpoint, InvalidManifest, StateMismatch
 from ckptd.format import dtypes
 from ckptd.format.checkpoint import Chunk, OpenCheckpoint
 from ckptd.format.manifest import IndexEntry
@@ -96,8 +96,8 @@ def plan_box(
 class ShardReads:
     """What a set of boxes needs from one shard file: its reads and where each one goes."""
 
-    shard: int  # position of the shard in the manifest
-    path: str  # the shard file, relative to the job directory
+    shard: int  # position of the file in OpenCheckpoint.files
+    path: str  # the file, relative to the job directory (an earlier step's when borrowed)
     reads: list[EntryRead]
     sinks: list[Callable[[int, np.ndarray], Any]]  # (byte offset in the entry, verified bytes)
     # Where a read's whole entry lands unchanged in its box (else None): the reader may
@@ -116,7 +116,6 @@ class BoxPlan:
 def plan_boxes(ck: OpenCheckpoint, boxes: Sequence[BoxRead]) -> BoxPlan:
     """The reads of every box, grouped by shard file; touches no tensor byte."""
     block = ck.manifest.block_size
-    position = {id(s): i for i, s in enumerate(ck.manifest.shards)}
     per_shard: dict[str, ShardReads] = {}
     total = 0
     for box in boxes:
@@ -125,10 +124,10 @@ def plan_boxes(ck: OpenCheckpoint, boxes: Sequence[BoxRead]) -> BoxPlan:
         if box.out.dtype != np.uint8 or box.out.nbytes != need:
             raise ValueError(f"key {box.key!r}: the buffer for the box must be {need} bytes")
         for chunk, ov in plan_box(ck, box.key, box.offsets, box.sizes):
-            path = ck.shard_path(chunk.shard)
+            path = ck.entry_path(chunk.entry)  # its own shard, or a step it borrows from
             reads = per_shard.get(path)
             if reads is None:
-                reads = per_shard[path] = ShardReads(position[id(chunk.shard)], path, [], [])
+                reads = per_shard[path] = ShardReads(ck.file_no(path), path, [], [])
             ranges = None if ov.whole else ov.ranges(block)
             reads.reads.append(EntryRead(chunk.entry, ranges))
             reads.sinks.append(functools.partial(ov.copy, box.out))
@@ -154,17 +153,20 @@ def read_planned(
         def sink(i: int, start: int, data: np.ndarray) -> None:
             sr.sinks[i](start, data)
 
-        read_entries(
-            ck.storage,
-            sr.path,
-            sr.reads,
-            block,
-            sink=sink,
-            threads=threads,
-            cold=cold,
-            progress=progress,
-            into=sr.into or None,
-        )
+        try:
+            read_entries(
+                ck.storage,
+                sr.path,
+                sr.reads,
+                block,
+                sink=sink,
+                threads=threads,
+                cold=cold,
+                progress=progress,
+                into=sr.into or None,
+            )
+        except CorruptCheckpoint as e:
+            raise borrowed_context(ck, sr.shard, e)  # noqa: B904 - keeps e's own cause
 
     if len(plan.shards) == 1:
         load_shard(plan.shards[0])
@@ -172,6 +174,21 @@ def read_planned(
         with ThreadPoolExecutor(min(4, len(plan.shards))) as pool:
             list(pool.map(load_shard, plan.shards))
     return plan.bytes
+
+
+def borrowed_context(ck: OpenCheckpoint, file: int, e: CorruptCheckpoint) -> CorruptCheckpoint:
+    """`e` (a read of file number `file` of `ck` failed), saying which step borrowed the
+    bytes when the file is a lender's: the error names the lender's file, not the step."""
+    if file < len(ck.manifest.shards):
+        return e
+    new = type(e)(
+        f"job {ck.storage.url} step {ck.step} borrows bytes from {ck.files[file]}, and "
+        f"they fail: {e}"
+    )
+    # The cause is the load policy's evidence (a read the device refused is transient,
+    # never quarantined: ckpt._load), so it stays the original's.
+    new.__cause__ = e.__cause__
+    return new
 
 
 def read_boxes(

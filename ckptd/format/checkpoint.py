@@ -15,13 +15,14 @@ step) skips it. Removing the marker puts the step back.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
 import socket
 import time
-from collections.abc import Callable, Collection, Iterable
-from typing import Protocol
+from collections.abc import Callable, Collection, Iterable, Iterator
+from typing import Any, Protocol
 
 from ckptd import knobs
 from ckptd.errors import (
@@ -77,10 +78,51 @@ class OpenCheckpoint:
     manifest: Manifest
     indexes: list[ShardIndex]
     chunks: dict[str, list[Chunk]]
+    # Every file the step's entries are read from, relative to the job directory: its own
+    # shards in manifest order, then the files of earlier steps it borrows from, sorted.
+    # A file's position here is how the shared read plan names stored bytes.
+    files: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.files:
+            own = [self.shard_path(s) for s in self.manifest.shards]
+            lent = {
+                layout.job_path(self.step, e.file)
+                for idx in self.indexes
+                for e in idx.entries
+                if e.borrowed_from is not None
+            }
+            self.files = own + sorted(lent - set(own))
+        self._file_no = {f: i for i, f in enumerate(self.files)}
 
     @property
     def step(self) -> int:
         return self.manifest.step
+
+    def entry_path(self, entry: IndexEntry) -> str:
+        """The file holding the entry's bytes, relative to the job directory (its own
+        shard, or an earlier step's it borrows from)."""
+        return layout.job_path(self.step, entry.file)
+
+    def file_no(self, path: str) -> int:
+        """The position of a file of `files` (entry_path)."""
+        return self._file_no[path]
+
+    def stored(self) -> Iterator[tuple[int, IndexEntry]]:
+        """(file number, entry) of every entry: a stored range is (file, entry.offset)."""
+        for idx in self.indexes:
+            for e in idx.entries:
+                yield self._file_no[self.entry_path(e)], e
+
+    @property
+    def owned_bytes(self) -> int:
+        """Bytes of the entries this step holds in its own shards."""
+        return sum(e.length for i in self.indexes for e in i.entries if e.borrowed_from is None)
+
+    @property
+    def borrowed_bytes(self) -> int:
+        """Bytes of the entries it reads from earlier steps' files."""
+        return sum(e.length for i in self.indexes for e in i.entries if e.borrowed_from is not None)
 
     @property
     def step_dir(self) -> str:
@@ -216,6 +258,8 @@ class Lineage(Protocol):
     def parent(self) -> int | None: ...
     @property
     def saved_unix(self) -> float: ...
+    @property
+    def borrows(self) -> tuple[int, ...] | None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +267,7 @@ class LineStep:
     step: int
     parent: int | None
     saved_unix: float
+    borrows: tuple[int, ...] | None = ()  # the steps it borrows bytes from (ancestors)
 
 
 def live_line(steps: Iterable[Lineage], gaps: Collection[int] = ()) -> list[int]:
@@ -237,7 +282,8 @@ def live_line(steps: Iterable[Lineage], gaps: Collection[int] = ()) -> list[int]
     after a rollback the steps of the abandoned branch are on no line. A parent in `gaps`
     (a step directory whose manifest is missing or unreadable: damage, not a removal)
     continues the line in step order below it; a parent that is gone altogether (retired)
-    ends the line.
+    ends the line, unless the step borrows bytes from steps still there (an incremental
+    save borrows only from its ancestors): then the line goes on at the newest of those.
     """
     by_step = {s.step: s for s in steps}
     if not by_step:
@@ -256,7 +302,9 @@ def live_line(steps: Iterable[Lineage], gaps: Collection[int] = ()) -> list[int]
             below = cur.step if cur.parent is None else cur.parent
             nxt = max((k for k in by_step if k < below and k not in line), default=None)
         else:
-            nxt = None
+            lenders = [by_step[k] for k in cur.borrows or () if k in by_step]
+            newest = max(lenders, key=lambda s: (s.saved_unix, s.step), default=None)
+            nxt = None if newest is None else newest.step
         if nxt is None or nxt in line:  # a cycle (hand-edited manifests) ends the line
             return line
         line.append(nxt)
@@ -269,7 +317,7 @@ def line_of(infos: Iterable[StepInfo]) -> list[int]:
     infos = list(infos)
     return live_line(
         (
-            LineStep(s.step, s.manifest.parent, s.manifest.created_unix)
+            LineStep(s.step, s.manifest.parent, s.manifest.created_unix, tuple(s.manifest.borrows))
             for s in infos
             if s.manifest is not None and s.status in (COMMITTED, QUARANTINED)
         ),
@@ -338,7 +386,81 @@ def open_checkpoint(
                 f"{_where(storage, step, layout.MANIFEST_NAME)}: state refers to {tag} {key!r} "
                 "which no shard index holds"
             )
+    check_borrowed(storage, m, indexes)
     return OpenCheckpoint(storage, m, indexes, chunks)
+
+
+def check_borrowed(storage: Storage, m: Manifest, indexes: Iterable[ShardIndex]) -> None:
+    """Every borrowed entry names a committed step the manifest lists, a shard of it that
+    is there with its recorded size, and a range inside it, no two entries the same range.
+
+    The bytes themselves are checked when they are read, against the borrowing entry's own
+    block hashes (which the lending step's index also holds: the save matched them)."""
+    lenders: dict[int, dict[str, ShardInfo]] = {}
+    seen: set[tuple[str, int]] = set()
+    for idx in indexes:
+        for e in idx.entries:
+            lent = layout.split_borrowed(e.file)
+            if lent is None:
+                continue
+            k, name = lent
+            where = f"job {storage.url} step {m.step} rank {idx.rank} key {e.key!r} (file {e.file})"
+            if k not in lenders:
+                try:
+                    lm = read_manifest(storage, k)
+                except CkptError as err:
+                    raise CheckpointNotFound(
+                        f"{where}: borrows its bytes from step {k}, which is not a committed "
+                        f"step ({err}); step {m.step} is not whole: load an earlier step"
+                    ) from None
+                lenders[k] = {s.path: s for s in lm.shards}
+                for s in lm.shards:
+                    check_shard_size(storage, lm, s)
+            shard = lenders[k].get(name)
+            if shard is None:
+                raise InvalidManifest(
+                    f"{where}: step {k} has no shard {name!r}; the index was altered"
+                )
+            if e.offset + e.length > shard.size or (e.file, e.offset) in seen:
+                raise InvalidManifest(
+                    f"{where}: bytes {e.offset}..{e.offset + e.length} are not a range of its "
+                    f"{shard.size}-byte shard that one entry borrows; the index was altered"
+                )
+            seen.add((e.file, e.offset))
+
+
+def borrowable(storage: Storage, step: int | None, rank: int) -> dict[tuple[Any, ...], IndexEntry]:
+    """What an incremental save of `rank` may borrow from committed `step` (its base): the
+    entries of that step's shard of the same rank, by (key, dtype, shape, chunk offsets and
+    sizes), each naming the file that holds its bytes as a sibling step sees it (a borrowed
+    entry names its lender's file: references never chain). Empty when `step` is None, not
+    committed, quarantined, or written with another block size; only the same rank's index
+    is read (a save of stable layout writes each chunk from the same rank every step)."""
+    if step is None:
+        return {}
+    try:
+        m = read_manifest(storage, step)
+        if quarantine_reason(storage, step) is not None or m.block_size != knobs.get().block_size:
+            return {}
+        shard = next((s for s in m.shards if s.rank == rank), None)
+        if shard is None:
+            return {}
+        index = read_index(storage, m, shard, max_entries=knobs.get().max_entries_per_shard)
+    except CkptError:
+        return {}  # no base: the save writes everything
+    out: dict[tuple[Any, ...], IndexEntry] = {}
+    for e in index.entries:
+        file = e.file if e.borrowed_from is not None else layout.borrowed_file(step, e.file)
+        lent = copy.copy(e)  # every field the entry has: what they say of the bytes holds
+        lent.file = file
+        out[borrow_key(e)] = lent
+    return out
+
+
+def borrow_key(e: Any) -> tuple[Any, ...]:
+    """What must be equal for a chunk to borrow an earlier step's entry (besides its
+    bytes' block hashes): key, dtype, global shape and the box."""
+    return (e.key, e.dtype, tuple(e.shape), tuple(e.chunk_offsets), tuple(e.chunk_sizes))
 
 
 def read_index(storage: Storage, m: Manifest, shard: ShardInfo, *, max_entries: int) -> ShardIndex:
@@ -425,6 +547,13 @@ def commit(storage: Storage, m: Manifest) -> bytes:
     with OpenDirs() as dirs:  # a step's shards share a directory: opened once, not per file
         for shard in m.shards:
             _check_shard_files(storage, m, shard, dirs)
+    for k in m.borrows:
+        if not storage.exists(f"{layout.step_dir(k)}/{layout.MANIFEST_NAME}"):
+            raise CheckpointNotFound(
+                f"step {m.step} borrows bytes from step {k}, which is no longer committed "
+                "(removed while this save ran: gc or retention outside the coordinator); "
+                "refusing to commit. Save again: the next save writes those bytes"
+            )
     if sorted(s.rank for s in m.shards) != list(range(m.world_size)):
         raise CorruptCheckpoint(
             f"step {m.step}: shards of ranks {sorted(s.rank for s in m.shards)} reported, "
@@ -487,20 +616,24 @@ def verify_checkpoint(
             index = read_index(storage, m, shard, max_entries=k.max_entries_per_shard)
             keys.update(e.key for e in index.entries)
             check_shard_size(storage, m, shard)
+            check_borrowed(storage, m, [index])
         except CkptError as e:
             report.problems.append(str(e))
             continue
-        if level == "full":
-            problems = verify_entries(
-                storage,
-                f"{layout.step_dir(step)}/{shard.path}",
-                index.entries,
-                m.block_size,
-                threads=threads,
-                progress=progress,
-            )
-            report.problems.extend(f"rank {shard.rank}: {p}" for p in problems)
-        report.bytes_checked += shard.size
+        # Every byte the step needs: its own shard's entries, and those it borrows, read
+        # from the lenders' files and checked against this index's hashes.
+        by_file: dict[str, list[IndexEntry]] = {}
+        for ent in index.entries:
+            by_file.setdefault(layout.job_path(step, ent.file), []).append(ent)
+        for path, entries in by_file.items():
+            if level == "full":
+                problems = verify_entries(
+                    storage, path, entries, m.block_size, threads=threads, progress=progress
+                )
+                report.problems.extend(f"rank {shard.rank}: {p}" for p in problems)
+        report.bytes_checked += shard.size + sum(
+            ent.length for ent in index.entries if ent.borrowed_from is not None
+        )
     for tag, key in values.tensor_refs(m.state):
         if key not in keys and not report.problems:
             report.problems.append(

@@ -164,7 +164,7 @@ def _logical_digest(
             buf[at : at + n] = view[:n]
 
         reader.read_entries(
-            ck.storage, ck.shard_path(c.shard), [e], ck.manifest.block_size, sink=sink, cold=False
+            ck.storage, ck.entry_path(e), [e], ck.manifest.block_size, sink=sink, cold=False
         )
         report.bytes_read += e.length
         if progress is not None:

@@ -21,6 +21,9 @@ MAX_STEP = 10**12 - 1
 MAX_RANK = 10**5 - 1
 
 _STEP_RE = re.compile(r"^step-(\d{12})$")
+# An index entry's file in another step's directory (format version 3, incremental saves):
+# `../step-<12 digits>/<path in that step>`, the only form of `..` a format path may take.
+_BORROWED_RE = re.compile(r"^\.\./step-(\d{12})/(.+)$")
 
 
 def step_dir(step: int) -> str:
@@ -51,6 +54,25 @@ def shard_name(rank: int, generation: int = 0) -> str:
 def index_name(rank: int, generation: int = 0) -> str:
     check_rank(rank)
     return f"{SHARDS_DIR}/rank-{rank:05d}{_generation_suffix(generation)}.json"
+
+
+def borrowed_file(step: int, file: str) -> str:
+    """How an index entry names `file` of step `step`'s directory from a sibling step's."""
+    return f"../{step_dir(step)}/{file}"
+
+
+def split_borrowed(file: str) -> tuple[int, str] | None:
+    """(step, path inside that step) of a borrowed entry's file; None for a file of the
+    entry's own step. The path is the caller's to confine (check_relative)."""
+    m = _BORROWED_RE.match(file)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def job_path(step: int, file: str) -> str:
+    """An index entry's file of step `step`, relative to the job directory: its own step's
+    directory, or the one a borrowed file names (never outside the job)."""
+    got = split_borrowed(file)
+    return f"{step_dir(got[0])}/{got[1]}" if got else f"{step_dir(step)}/{file}"
 
 
 def check_step(step: object) -> int:

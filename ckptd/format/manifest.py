@@ -28,7 +28,12 @@ INDEX_FORMAT_NAME = "ckptd-shard-index"
 # each at the aligned end of the one before). Version 1 files may have holes where a
 # replica written by another rank had its place; both are read.
 FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+# Version 3: an index entry may borrow its bytes from an earlier committed step (an
+# incremental save, docs/format.md "Borrowed entries"). Written only by a step that borrows,
+# so every other step stays version 2 and readable by older ckptd; those refuse version 3
+# ("upgrade ckptd") rather than read a shard that lacks the borrowed bytes.
+BORROWING_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 MAX_DIMS = values.MAX_DIMS  # one limit for entries' shapes and views' strides
 MAX_KEY_LEN = 4096
 MAX_ELEMENTS = 1 << 62
@@ -46,10 +51,16 @@ class IndexEntry:
     offset: int  # byte offset in the shard file (aligned)
     length: int  # byte length
     blake3: list[str]  # one digest per block of `block_size`, relative to `offset`
-    file: str = ""  # shard path relative to the step directory
+    file: str = ""  # shard path relative to the step directory (`../step-N/...`: borrowed)
     # Health of a floating-point chunk (optional: None in indexes written before it was
     # recorded, or with the health_stats knob off); ckptd.format.tensorstats.
     stats: tensorstats.TensorStats | None = None
+
+    @property
+    def borrowed_from(self) -> int | None:
+        """The step whose file holds this entry's bytes, when not the entry's own step."""
+        got = layout.split_borrowed(self.file)
+        return got[0] if got else None
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -86,9 +97,10 @@ class ShardIndex:
     entries: list[IndexEntry]
 
     def to_bytes(self) -> bytes:
+        borrows = any(e.borrowed_from is not None for e in self.entries)
         doc = {
             "format": INDEX_FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": BORROWING_VERSION if borrows else FORMAT_VERSION,
             "job": self.job,
             "step": self.step,
             "generation": self.generation,
@@ -112,11 +124,14 @@ class ShardInfo:
     index: str
     index_size: int
     index_blake3: str
+    # The steps whose files this shard's index borrows entries from (ascending; empty: a
+    # self-contained shard, and the field is not written).
+    borrows: list[int] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         # Spelled out, not dataclasses.asdict: a manifest has one of these per rank (its
         # recursive copy was a tenth of a 4,096-rank commit's coordinator time).
-        return {
+        doc: dict[str, Any] = {
             "rank": self.rank,
             "path": self.path,
             "size": self.size,
@@ -124,6 +139,9 @@ class ShardInfo:
             "index_size": self.index_size,
             "index_blake3": self.index_blake3,
         }
+        if self.borrows:
+            doc["borrows"] = list(self.borrows)
+        return doc
 
 
 @dataclasses.dataclass
@@ -142,10 +160,16 @@ class Manifest:
     # not recorded (a job's first save, or a manifest written before lineage was).
     parent: int | None = None
 
+    @property
+    def borrows(self) -> list[int]:
+        """Every step this step borrows bytes from (ascending): retention keeps them while
+        this step is kept (ckptd.coordinator.retention)."""
+        return sorted({k for s in self.shards for k in s.borrows})
+
     def to_bytes(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": BORROWING_VERSION if self.borrows else FORMAT_VERSION,
             "job": self.job,
             "step": self.step,
             "generation": self.generation,
@@ -285,6 +309,7 @@ def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:
             raise InvalidManifest(f"{sw}: rank {rank} or path {path!r} appears twice")
         seen_ranks.add(rank)
         seen_paths.update((path, index))
+        borrows = _borrows(s, step, doc["version"], sw)
         shards.append(
             ShardInfo(
                 rank=rank,
@@ -293,6 +318,7 @@ def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:
                 index=index,
                 index_size=_nonneg(s, "index_size", sw),
                 index_blake3=digest,
+                borrows=borrows,
             )
         )
     state = doc.get("state")
@@ -310,6 +336,32 @@ def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:
         created_unix=float(created),
         parent=parent,
     )
+
+
+def _borrows(s: dict[str, Any], step: int, version: int, what: str) -> list[int]:
+    """A shard's optional `borrows`: distinct steps other than its own, ascending."""
+    got = s.get("borrows")
+    if got is None:
+        return []
+    if version < BORROWING_VERSION:
+        raise InvalidManifest(
+            f"{what}: borrows other steps' bytes, which format version {version} cannot "
+            f"(version {BORROWING_VERSION} and later)"
+        )
+    if not isinstance(got, list) or len(got) > 1 << 16:
+        raise InvalidManifest(f"{what}: borrows must be a list of steps")
+    out = []
+    for k in got:
+        try:
+            out.append(layout.check_step(k))
+        except ValueError as e:
+            raise InvalidManifest(f"{what}: borrows: {e}") from None
+    if out != sorted(set(out)) or step in out:
+        raise InvalidManifest(
+            f"{what}: borrows {out[:8]} must be distinct steps in ascending order, not the "
+            f"step's own ({step})"
+        )
+    return out
 
 
 def load_json(data: bytes, what: str) -> Any:
@@ -365,7 +417,7 @@ def parse_index(
     # check at save time (planning) and the reader's at load time (boxes.plan_box).
     boxes: set[tuple[str, tuple[int, ...]]] = set()
     for i, e in enumerate(entries_doc):
-        entry = _parse_entry(e, i, block, manifest.alignment, shard, what)
+        entry = _parse_entry(e, i, block, manifest.alignment, shard, what, manifest.step)
         box = (entry.key, tuple(entry.chunk_offsets))
         if box in boxes:
             raise InvalidManifest(
@@ -374,9 +426,25 @@ def parse_index(
             )
         boxes.add(box)
         entries.append(entry)
+    # Borrowed entries name another step's file: what they borrow must be what the
+    # manifest says the shard borrows (retention keeps exactly those steps), and where the
+    # bytes lie in that file is checked against its step when the step is opened.
+    own = [e for e in entries if e.borrowed_from is None]
+    lent = sorted({k for e in entries if (k := e.borrowed_from) is not None})
+    if lent and doc["version"] < BORROWING_VERSION:
+        raise InvalidManifest(
+            f"{what}: entries borrow from steps {lent[:8]}, which format version "
+            f"{doc['version']} cannot (version {BORROWING_VERSION} and later)"
+        )
+    if lent != list(shard.borrows):
+        raise InvalidManifest(
+            f"{what}: entries borrow from steps {lent[:8]}, the manifest says rank "
+            f"{shard.rank} borrows from {list(shard.borrows)[:8]}: the index or the manifest "
+            "was altered; load an earlier step"
+        )
     # Non-overlapping, in bounds.
     end = 0
-    for e in sorted(entries, key=lambda x: x.offset):
+    for e in sorted(own, key=lambda x: x.offset):
         if e.offset < end:
             raise InvalidManifest(
                 f"{what}: entry {e.key!r} at byte {e.offset} overlaps the previous entry"
@@ -387,7 +455,7 @@ def parse_index(
                 f"{what}: entry {e.key!r} ends at byte {end}, past the shard's {shard.size} bytes"
             )
     if doc["version"] >= 2:
-        gap = packing_gap(entries, shard.size, manifest.alignment)
+        gap = packing_gap(own, shard.size, manifest.alignment)
         if gap is not None:
             raise InvalidManifest(
                 f"{what}: shard {shard.path!r} is not packed ({gap}), but a version-2 shard "
@@ -425,7 +493,9 @@ def packing_gap(entries: list[IndexEntry], size: int, align: int) -> str | None:
     return None
 
 
-def _parse_entry(e: Any, i: int, block: int, align: int, shard: ShardInfo, what: str) -> IndexEntry:
+def _parse_entry(
+    e: Any, i: int, block: int, align: int, shard: ShardInfo, what: str, step: int
+) -> IndexEntry:
     ew = f"{what} entry #{i}"
     if not isinstance(e, dict):
         raise InvalidManifest(f"{ew}: must be an object")
@@ -461,9 +531,18 @@ def _parse_entry(e: Any, i: int, block: int, align: int, shard: ShardInfo, what:
     offset = _nonneg(e, "offset", ew)
     if offset % align:
         raise InvalidManifest(f"{ew}: offset {offset} is not {align}-byte aligned")
-    file = check_relative(e.get("file", shard.path), what=f"{ew} file")
-    if file != shard.path:
-        raise InvalidManifest(f"{ew}: file {file!r} is not this index's shard {shard.path!r}")
+    file = e.get("file", shard.path)
+    lent = layout.split_borrowed(file) if isinstance(file, str) else None
+    if lent is not None:
+        check_relative(lent[1], what=f"{ew} file")
+        if lent[0] == step or not lent[1].startswith(f"{layout.SHARDS_DIR}/"):
+            raise InvalidManifest(
+                f"{ew}: file {file!r} must name a shard of another step (../step-N/shards/...)"
+            )
+    else:
+        file = check_relative(file, what=f"{ew} file")
+        if file != shard.path:
+            raise InvalidManifest(f"{ew}: file {file!r} is not this index's shard {shard.path!r}")
     digests = e.get("blake3")
     if not isinstance(digests, list) or len(digests) != hashing.n_blocks(length, block):
         raise InvalidManifest(f"{ew}: expected {hashing.n_blocks(length, block)} block hashes")

@@ -22,6 +22,12 @@ object under the key). Reading back is the only check of that, and it proves the
 restorable by the same code a load runs. Its cost is a second transfer of the step, off
 the training path (bench figures in docs/tiers.md), spread over the ranks.
 
+A step that borrows bytes from earlier steps (an incremental save) is copied as it is,
+its indexes naming the lenders' files: the mirror must hold each lender, committed with
+the same manifest, first (copied in order they are; one process holding every shard
+copies a missing lender itself, `mirror_step`), and its retention keeps them as the
+source's does (ckptd.coordinator.retention).
+
 A copy that fails leaves no manifest in the mirror, so it is debris there, never a
 checkpoint; a later copy of the step overwrites its files, and retention there removes
 a step left uncommitted below the newest.
@@ -111,6 +117,15 @@ def copy_shards(
             "alone. Point the mirror at this job's own prefix, or remove it there"
         )
     m = ckfmt.read_manifest(src, step)
+    for lender in m.borrows:
+        if not _holds_same(src, dst, lender):
+            if ranks is not None:
+                raise MirrorIncomplete(
+                    f"{where}: borrows bytes from step {lender}, which the mirror {dst.url} "
+                    "does not hold (committed with the same manifest); it is not copied here "
+                    "until the lender is"
+                )
+            mirror_step(src, dst, lender, job=job)
     mine = [sh for sh in m.shards if ranks is None or sh.rank in ranks]
     indexes = [ckfmt.read_index(src, m, sh, max_entries=k.max_entries_per_shard) for sh in mine]
     for sh in mine:
@@ -137,7 +152,12 @@ def copy_shards(
             continue
         problems += [
             f"rank {shard.rank}: {p}"
-            for p in verify_entries(dst, f"{sdir}/{shard.path}", index.entries, m.block_size)
+            for p in verify_entries(
+                dst,
+                f"{sdir}/{shard.path}",
+                [e for e in index.entries if e.borrowed_from is None],  # lenders: verified
+                m.block_size,
+            )
         ]
     t2 = time.perf_counter()
     if problems:
@@ -186,6 +206,12 @@ def commit_copy(
         pause = min(1.0, pause * 2)
     for sh in m.shards:
         ckfmt.check_shard_size(dst, m, sh)
+    for lender in m.borrows:
+        if not _holds_same(src, dst, lender):
+            raise MirrorIncomplete(
+                f"{where}: borrows bytes from step {lender}, which the mirror {dst.url} no "
+                "longer holds; not committed there"
+            )
     mdata = src.read_bytes(mpath, limit=knobs.get().max_manifest_bytes)
     dst.create_only(mpath, mdata)
     for sh in m.shards:
@@ -193,6 +219,17 @@ def commit_copy(
             dst.remove_tree(_mark(sdir, sh))
         except (CkptError, OSError):
             pass  # a mark left beside a committed step is a stray for `ckptctl gc`
+
+
+def _holds_same(src: Storage, dst: Storage, step: int) -> bool:
+    """Whether `dst` holds committed `step` with the same manifest bytes as `src`."""
+    mpath = f"{layout.step_dir(step)}/{layout.MANIFEST_NAME}"
+    limit = knobs.get().max_manifest_bytes
+    try:
+        theirs = dst.read_bytes(mpath, limit=limit)
+    except (ShardMissing, FileNotFoundError):
+        return False
+    return theirs == src.read_bytes(mpath, limit=limit)
 
 
 def _marked(dst: Storage, sdir: str, shard: ShardInfo) -> bool:

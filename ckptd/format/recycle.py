@@ -13,6 +13,7 @@ pool (an object store uploads a shard whole, so there is nothing to overwrite).
 from __future__ import annotations
 
 from ckptd.errors import CkptError
+from ckptd.faults import crash_point
 from ckptd.format import layout
 from ckptd.storage.base import Storage
 
@@ -23,6 +24,7 @@ def retire_step(storage: Storage, step: int, *, keep_files: int) -> None:
     """Remove a committed step, keeping up to `keep_files` shard files for reuse."""
     sdir = layout.step_dir(step)
     storage.remove_tree(f"{sdir}/{layout.MANIFEST_NAME}")  # un-publish first
+    crash_point("coordinator.retention_unpublished")
     if keep_files > 0 and storage.supports_reuse:
         storage.makedirs(POOL)
         for name in storage.listdir(f"{sdir}/{layout.SHARDS_DIR}"):
@@ -33,6 +35,7 @@ def retire_step(storage: Storage, step: int, *, keep_files: int) -> None:
                     )
                 except (CkptError, OSError):
                     pass  # it is deleted with the step below
+                crash_point("coordinator.retention_mid_recycle")
         trim(storage, keep_files)
     storage.remove_tree(sdir)
 

@@ -310,11 +310,15 @@ class ShardWriter:
         *,
         verify: str = "full",
         stats: ShardWriteStats | None = None,
+        borrowed: Sequence[IndexEntry] = (),
     ) -> ShardInfo:
         """fsync, write the index of `items` (what this shard holds), verify; the ShardInfo.
 
         The items must tile the file (packed, format version 2): a layout with a gap is
-        the caller's bug, refused before the file is made durable."""
+        the caller's bug, refused before the file is made durable. `borrowed`: entries of
+        an incremental save whose bytes an earlier committed step holds (their `file`
+        names it: ckptd.format.checkpoint.borrowable); listed in the index after the
+        items, never written or re-read here (docs/format.md, Borrowed entries)."""
         if verify not in ("full", "size"):
             raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
         entries = [
@@ -333,6 +337,7 @@ class ShardWriter:
             for i, (it, off) in enumerate(zip(items, offsets, strict=True))
         ]
         gap = packing_gap(entries, self.size, self.align)
+        entries += [dataclasses.replace(e) for e in borrowed]
         if gap is not None:
             self.abort()
             raise ValueError(f"{self.ctx}: the entries do not tile the shard file: {gap}")
@@ -385,6 +390,7 @@ class ShardWriter:
             index=self.index_name,
             index_size=len(index_bytes),
             index_blake3=hashing.digest(index_bytes),
+            borrows=sorted({k for e in borrowed if (k := e.borrowed_from) is not None}),
         )
 
     def abort(self) -> None:
@@ -516,7 +522,11 @@ def _verify_written(
     if reread != index_bytes:
         raise CorruptCheckpoint(f"{index_path} reads back different from what was written")
     if verify == "full":
-        rest = [e for e in index.entries if not checked or e.offset not in checked]
+        rest = [
+            e
+            for e in index.entries
+            if e.borrowed_from is None and (not checked or e.offset not in checked)
+        ]
         if not rest:
             return
         problems = verify_entries(storage, shard_path, rest, index.block_size, threads=threads)

@@ -159,7 +159,7 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ...) -> None: ...
 
 class ReportShardRequest(_message.Message):
-    __slots__ = ("ref", "shard_path", "size", "index_path", "index_size", "index_blake3", "verify", "staging_s", "persist_s", "write_s", "verify_s")
+    __slots__ = ("ref", "shard_path", "size", "index_path", "index_size", "index_blake3", "verify", "staging_s", "persist_s", "write_s", "verify_s", "borrows")
     REF_FIELD_NUMBER: _ClassVar[int]
     SHARD_PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class ReportShardRequest(_message.Message):
     PERSIST_S_FIELD_NUMBER: _ClassVar[int]
     WRITE_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    BORROWS_FIELD_NUMBER: _ClassVar[int]
     ref: SaveRef
     shard_path: str
     size: int
@@ -182,7 +183,8 @@ class ReportShardRequest(_message.Message):
     persist_s: float
     write_s: float
     verify_s: float
-    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., shard_path: _Optional[str] = ..., size: _Optional[int] = ..., index_path: _Optional[str] = ..., index_size: _Optional[int] = ..., index_blake3: _Optional[str] = ..., verify: _Optional[str] = ..., staging_s: _Optional[float] = ..., persist_s: _Optional[float] = ..., write_s: _Optional[float] = ..., verify_s: _Optional[float] = ...) -> None: ...
+    borrows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., shard_path: _Optional[str] = ..., size: _Optional[int] = ..., index_path: _Optional[str] = ..., index_size: _Optional[int] = ..., index_blake3: _Optional[str] = ..., verify: _Optional[str] = ..., staging_s: _Optional[float] = ..., persist_s: _Optional[float] = ..., write_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., borrows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AwaitCommitRequest(_message.Message):
     __slots__ = ("ref", "timeout_ms")

@@ -35,9 +35,12 @@ import ckpt
 from ckptd.server.client import CoordinatorClient
 
 
-def make_state(seed: int, rank: int, step: int) -> dict:
+def make_state(seed: int, rank: int, step: int, frozen: bool = False) -> dict:
+    """frozen: add a tensor equal at every step (what an incremental save borrows)."""
     g = torch.Generator().manual_seed(seed)
+    extra = {"frozen": torch.arange(64 * 1024, dtype=torch.float32)} if frozen else {}
     return {
+        **extra,
         "w": torch.randn(48, 40, generator=g),  # replicated: equal on every rank
         "b": torch.randn(33, generator=g).to(torch.bfloat16),
         "ids": torch.arange(17, dtype=torch.int64) * seed,
@@ -100,6 +103,7 @@ def main() -> int:
             lease_s=spec.get("lease_s", 60.0),
             timeout_s=spec.get("timeout_s", 60.0),
             keep_last=spec.get("keep_last"),
+            incremental=bool(spec.get("incremental")),
         )
     except Exception as e:
         results.append({"action": "open", "outcome": type(e).__name__, "message": str(e)})
@@ -120,7 +124,8 @@ def main() -> int:
                     if act.get("crash_at"):
                         os.environ["CKPT_CRASH_AT"] = act["crash_at"]
                     pause["at"] = act.get("pause")
-                    r = cp.save(make_state(seed, rank, step), step, metadata={"seed": seed})
+                    frozen = bool(spec.get("incremental"))
+                    r = cp.save(make_state(seed, rank, step, frozen), step, metadata={"seed": seed})
                     r = r.wait() if callable(getattr(r, "wait", None)) else r
                     rec.update(outcome="ok", bytes=r.bytes)
                 else:

@@ -35,9 +35,17 @@ SHAPES = {
 }
 
 
+# mode "save-incremental": these keep their step-10 values at step 20, saved with
+# Checkpointer(incremental=True), so step 20 borrows them from step 10.
+FROZEN = ("rows", "grid", "plain")
+_frozen = False
+
+
 def full_value(name: str, step: int) -> Any:
     import torch
 
+    if _frozen and name in FROZEN and step:
+        step = 10
     shape, dtype = SHAPES[name]
     g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{step}".encode()))
     t = torch.randn(shape, generator=g, dtype=torch.float64) * 100
@@ -129,13 +137,17 @@ def local_matches(got: Any, full: Any) -> bool:
     )
 
 
-def save(rank: int, world: int, job: str, out_dir: str) -> dict[str, Any]:
+def save(
+    rank: int, world: int, job: str, out_dir: str, incremental: bool = False
+) -> dict[str, Any]:
     import torch
 
     import ckpt
 
+    global _frozen
+    _frozen = incremental
     out: dict[str, Any] = {"checks": {}}
-    with ckpt.Checkpointer(job, timeout_s=60) as cp:
+    with ckpt.Checkpointer(job, timeout_s=60, incremental=incremental) as cp:
         for step in (10, 20):
             state = make_state(rank, world, step)
             r = cp.save(state, step)
@@ -190,8 +202,8 @@ def load(rank: int, world: int, job: str, out_dir: str, want_step: int) -> dict[
 
 def entry(rank: int, world: int, port: int, mode: str, job: str, out_dir: str) -> None:
     def body() -> dict[str, Any]:
-        if mode == "save":
-            return save(rank, world, job, out_dir)
+        if mode in ("save", "save-incremental"):
+            return save(rank, world, job, out_dir, incremental=mode == "save-incremental")
         return load(rank, world, job, out_dir, 10 if mode == "load-fallback" else 20)
 
     run_rank(

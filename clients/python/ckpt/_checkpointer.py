@@ -55,6 +55,12 @@ class Checkpointer:
     coordinator: "host:port" of a `ckptd serve`; default $CKPTD_ADDRESS, else zero-config
         (this process, or rank 0 under torchrun, hosts one).
     keep_last: keep the newest N committed steps (None: keep all).
+    incremental: write only the entries whose bytes changed since the step this state
+        descends from (every block hash compared); the others borrow that step's bytes
+        (docs/format.md, Borrowed entries). For states with large unchanged parts (a
+        frozen base under LoRA, reference models); nothing is saved when every weight
+        changes. Off by default: a step that borrows is format version 3, which older
+        ckptd refuse, and its lenders stay while it is kept.
     mirror: a second tier (an fsspec URL such as "s3://bucket/job", a path, or a Storage
         built with its own options, e.g. FsspecStorage(url, endpoint_url=...)): each
         committed step is copied there in the background, read back and verified, and
@@ -95,13 +101,17 @@ class Checkpointer:
         mirror_keep_last: int | None = None,
         mirror_close_timeout_s: float = 600.0,
         memory: MemoryTier | None = None,
+        incremental: bool = False,
     ):
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if mirror_keep_last is not None and mirror_keep_last < 1:
             raise ValueError(f"mirror_keep_last must be at least 1, got {mirror_keep_last}")
         self.options = SaveOptions(
-            verify=verify, keep_last=keep_last, staging_budget_bytes=staging_budget_bytes
+            verify=verify,
+            keep_last=keep_last,
+            staging_budget_bytes=staging_budget_bytes,
+            incremental=incremental,
         )
         if save_on_preemption:
             _hooks.check_main_thread()  # before anything is started that would need closing
@@ -345,6 +355,9 @@ class Checkpointer:
             keep_last=job.options.keep_last,
             parent=parent,
         )
+        if job.options.incremental:
+            # Unchanged entries borrow the bytes of the step this state descends from.
+            job.borrow_from(ckfmt.borrowable(self.storage, parent, self.rank))
         if job.over_budget:
             with save.leased(begun.lease_s):
                 job.write_overflow(begun.write, digests)
@@ -373,6 +386,7 @@ class Checkpointer:
             step=job.step,
             path=f"{self.storage.url}/{layout.step_dir(job.step)}",
             bytes=job.written_bytes(begun.write),
+            borrowed_bytes=job.borrowed_bytes,
             seconds=pending.timings.blocking_s + time.perf_counter() - t0,
             write_s=stats.write_s,
             verify_s=stats.verify_s,

@@ -33,6 +33,7 @@ class SaveResult:
     persist_s: float = 0.0  # the background part up to the report (includes write_s, verify_s)
     commit_s: float = 0.0  # from this rank's report to COMMITTED
     blocking_s: float = 0.0  # what the training loop waited for
+    borrowed_bytes: int = 0  # bytes an incremental save did not write: an earlier step's
 
     @property
     def gbps(self) -> float:

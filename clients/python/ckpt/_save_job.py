@@ -16,6 +16,12 @@ blocking save wants, since nothing runs meanwhile.
 The background part hashes the staged entries (within budget), plans, and writes the
 assigned staged entries from the image to their packed places (`write`), fsyncs,
 indexes and verifies.
+
+An incremental save (SaveOptions.incremental) is given, before the layout is fixed, what
+its base (the step it descends from) holds for this rank (`borrow_from`): an assigned
+entry whose every block hash equals the base's entry of the same key and box is not
+written, its index entry borrows the bytes from the step that holds them; the packed
+file holds only the entries that changed.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from ckpt._staging import HostImage, stage
 from ckptd import knobs
 from ckptd.coordinator.core import SaveRef
 from ckptd.coordinator.planning import ChunkPlan
-from ckptd.format.manifest import ShardInfo
+from ckptd.format.checkpoint import borrow_key
+from ckptd.format.manifest import IndexEntry, ShardInfo
 from ckptd.format.writer import ShardWriter, ShardWriteStats, hash_items, plan_offsets
 from ckptd.storage import Storage
 
@@ -47,6 +54,9 @@ class SaveOptions:
     keep_last: the coordinator's retention after the commit (None: keep all).
     staging_budget_bytes: host memory a save may stage into (None: no limit).
     preallocate, io_threads: the shard writer's (None: the knobs' defaults).
+    incremental: write only the entries whose bytes changed since the step the save
+        descends from; the others borrow that step's bytes (docs/format.md, Borrowed
+        entries). Retention keeps a step while a kept step borrows from it.
     """
 
     verify: str = "full"
@@ -54,6 +64,7 @@ class SaveOptions:
     staging_budget_bytes: int | None = None
     preallocate: bool | None = None
     io_threads: int | None = None
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         if self.verify not in VERIFY_LEVELS:
@@ -104,6 +115,10 @@ class SaveJob:
         self.offsets: list[int] = []
         self.size = 0
         self.writer: ShardWriter | None = None
+        # An incremental save's base entries (checkpoint.borrowable), and the assigned
+        # entries that borrow from it instead of being written (by image position).
+        self.base: dict[tuple[Any, ...], IndexEntry] = {}
+        self.borrowed: dict[int, IndexEntry] = {}
         self.overflow_write_s = 0.0  # writing entries past the budget, in the blocking part
 
     @property
@@ -122,11 +137,17 @@ class SaveJob:
     def plan(self, digests: list[list[str]]) -> list[ChunkPlan]:
         return ChunkPlan.of_items(self.items, digests)
 
+    def borrow_from(self, base: dict[tuple[Any, ...], IndexEntry]) -> None:
+        """The base's entries an incremental save may borrow (before the layout is fixed)."""
+        if self.assigned is not None:
+            raise RuntimeError("the shard's layout is already fixed")
+        self.base = base
+
     def write_overflow(self, assigned: list[int], digests: list[list[str]]) -> None:
         """Over budget, before save() returns: write the assigned entries past the budget
         from the caller's tensors to their packed places."""
         t0 = time.perf_counter()
-        over = [k for k, i in enumerate(self._assign(assigned)) if i >= self.n_staged]
+        over = [k for k, i in enumerate(self._assign(assigned, digests)) if i >= self.n_staged]
         self._write(over, False, digests)
         self.overflow_write_s = time.perf_counter() - t0
 
@@ -135,7 +156,7 @@ class SaveJob:
     ) -> ShardInfo:
         """Write this rank's assigned staged entries from the image; fsync, index, verify."""
         t0 = time.perf_counter()
-        order = self._assign(assigned)
+        order = self._assign(assigned, digests)
         self._write([k for k, i in enumerate(order) if i < self.n_staged], True, digests)
         stats.write_s = time.perf_counter() - t0 + self.overflow_write_s
         assert self.writer is not None
@@ -145,6 +166,7 @@ class SaveJob:
             [digests[i] for i in order],
             verify=self.options.verify,
             stats=stats,
+            borrowed=[self.borrowed[i] for i in sorted(self.borrowed)],
         )
         log.debug(
             "%s: written (%d bytes): write %.3f s, verify %.3f s (%s)",
@@ -156,24 +178,36 @@ class SaveJob:
         )
         return info
 
-    def shard_size(self, assigned: list[int]) -> int:
+    def shard_size(self, assigned: list[int], digests: list[list[str]] | None = None) -> int:
         """The packed shard file's size once `assigned` are its entries (fixes the layout)."""
-        self._assign(assigned)
+        self._assign(assigned, digests)
         return self.size
 
     def written_bytes(self, assigned: list[int]) -> int:
-        return sum(self.items[i].data.nbytes for i in assigned)
+        return sum(self.items[i].data.nbytes for i in assigned if i not in self.borrowed)
+
+    @property
+    def borrowed_bytes(self) -> int:
+        return sum(e.length for e in self.borrowed.values())
 
     def abort(self) -> None:
         """Remove what this rank wrote before the save was committed or aborted."""
         if self.writer is not None:
             self.writer.abort()
 
-    def _assign(self, assigned: list[int]) -> list[int]:
-        """The plan's entries for this rank, in image order, and their packed layout (so
-        with nothing deduplicated the file is laid out exactly like the image)."""
+    def _assign(self, assigned: list[int], digests: list[list[str]] | None = None) -> list[int]:
+        """The plan's entries for this rank that it writes, in image order, and their
+        packed layout (so with nothing deduplicated or borrowed the file is laid out
+        exactly like the image). An entry the base holds with the same block hashes is
+        borrowed instead (an incremental save)."""
         if self.assigned is None:
-            self.assigned = sorted(assigned)
+            if self.base and digests is not None:
+                for i in assigned:
+                    it = self.items[i]
+                    old = self.base.get(borrow_key(it))
+                    if old is not None and old.blake3 == digests[i]:
+                        self.borrowed[i] = old
+            self.assigned = sorted(i for i in assigned if i not in self.borrowed)
             self.offsets, self.size = plan_offsets(
                 [self.items[i].data.nbytes for i in self.assigned], self.alignment
             )

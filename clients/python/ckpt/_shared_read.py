@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ckptd import knobs
 from ckptd.errors import CkptError, CorruptCheckpoint, PeerReadFailed
 from ckptd.format import hashing
-from ckptd.format.boxes import BoxPlan
+from ckptd.format.boxes import BoxPlan, borrowed_context
 from ckptd.format.checkpoint import OpenCheckpoint
 from ckptd.format.manifest import IndexEntry
 from ckptd.format.reader import EntryRead, covering_blocks, read_entries
@@ -191,9 +191,8 @@ def make_pieces(
     replicated entry, however many ranks), each cut at `limit` bytes.
     """
     entries: dict[tuple[int, int], IndexEntry] = {}
-    for s, idx in enumerate(ck.indexes):
-        for e in idx.entries:
-            entries[(s, e.offset)] = e
+    for f, e in ck.stored():  # by file: a borrowed entry's bytes are in another step's
+        entries[(f, e.offset)] = e
     runs: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for r, a in enumerate(said):
         for shard, off, first, count in a.needs.tolist():
@@ -364,14 +363,14 @@ def _read_mine(
 
             read_entries(
                 ck.storage,
-                ck.shard_path(ck.manifest.shards[shard]),
+                ck.files[shard],
                 reads,
                 block,
                 sink=sink,
                 threads=threads,
             )
     except CorruptCheckpoint as e:
-        return e
+        return borrowed_context(ck, shard, e)
     return None
 
 
