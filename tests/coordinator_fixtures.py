@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import io
 import json
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -55,6 +56,41 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def spawn_ranks(
+    target: Callable[..., None],
+    world: int,
+    args_of: Callable[[int, int], tuple[Any, ...]],
+    out: Path,
+    *,
+    log_name: Callable[[int], str] = lambda r: f"rank{r}.log",
+    timeout: float = 120,
+) -> tuple[list[Any], str]:
+    """`world` rank processes (spawned: a fresh interpreter each, as torchrun gives)
+    running target(*args_of(rank, port)) on one free port, waited for at most `timeout`
+    together; a rank still running then is killed and fails the test by name. Returns the
+    processes and every rank's log (out/log_name(rank)), for the caller's assertions."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=args_of(r, port), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    logs = "\n".join(
+        f"--- rank {r}\n{(out / log_name(r)).read_text(errors='replace')}"
+        for r in range(world)
+        if (out / log_name(r)).exists()
+    )
+    assert not hung, f"ranks {hung} hung:\n{logs}"
+    return procs, logs
 
 
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

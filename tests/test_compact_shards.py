@@ -13,15 +13,13 @@ loads and verifies.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from coordinator_fixtures import ckptctl, free_port
+from coordinator_fixtures import ckptctl, spawn_ranks
 from ranks import compact_worker
 
 import ckpt
@@ -39,32 +37,13 @@ SLACK = 1.02
 
 def run_ranks(world: int, job: Path, out: Path, spec: dict, timeout: float = 120) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=compact_worker.spawn_entry,
-            args=(r, world, port, str(job), str(out), spec),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(10)
-    logs = "\n".join(
-        f"--- rank {r}\n{(out / f'rank{r}.log').read_text(errors='replace')}"
-        for r in range(world)
-        if (out / f"rank{r}.log").exists()
+    procs, logs = spawn_ranks(
+        compact_worker.spawn_entry,
+        world,
+        lambda r, port: (r, world, port, str(job), str(out), spec),
+        out,
+        timeout=timeout,
     )
-    assert not hung, f"ranks {hung} hung:\n{logs}"
     assert [p.exitcode for p in procs] == [0] * world, logs
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for res in results:

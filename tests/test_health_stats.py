@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import multiprocessing as mp
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from ckpt_testutil import edit_index, entry
-from coordinator_fixtures import free_port
+from coordinator_fixtures import spawn_ranks
 from ranks import health_worker
 
 import ckpt
@@ -357,28 +355,9 @@ def test_a_step_without_stats_in_ckptctl(tmp_path: Path, ckptctl: Any) -> None:
 
 def _spawn(job: str, out: Path, timeout: float = 150) -> list[dict[str, Any]]:
     out.mkdir(exist_ok=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(target=health_worker.entry, args=(r, 2, port, job, str(out)), daemon=True)
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(10)
-    logs = "\n".join(
-        f"--- rank {r}\n{(out / f'rank{r}.log').read_text(errors='replace')}"
-        for r in range(2)
-        if (out / f"rank{r}.log").exists()
+    _, logs = spawn_ranks(
+        health_worker.entry, 2, lambda r, port: (r, 2, port, job, str(out)), out, timeout=timeout
     )
-    assert not hung, f"ranks {hung} hung:\n{logs}"
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["error"] is None for r in results), logs
     return results

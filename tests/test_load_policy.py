@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import errno
 import json
-import multiprocessing as mp
 import os
 import shutil
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +23,7 @@ import fsspec
 import pytest
 import torch
 from ckpt_testutil import DelegatingStorage, flip_bit, shard_path
-from coordinator_fixtures import free_port
+from coordinator_fixtures import spawn_ranks
 from ranks import load_worker
 
 import ckpt
@@ -146,32 +144,14 @@ def test_an_unreadable_copy_is_skipped_unmarked_with_or_without_a_mirror(
 
 def _spawn(phase: str, job: str, mirror: str, out: Path, timeout: float = 90) -> list[dict]:
     out.mkdir(exist_ok=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=load_worker.entry,
-            args=(r, 2, port, phase, job, mirror, str(out)),
-            daemon=True,
-        )
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(10)
-    logs = "\n".join(
-        f"--- rank {r}\n{(out / f'{phase}-rank{r}.log').read_text(errors='replace')}"
-        for r in range(2)
-        if (out / f"{phase}-rank{r}.log").exists()
+    _, logs = spawn_ranks(
+        load_worker.entry,
+        2,
+        lambda r, port: (r, 2, port, phase, job, mirror, str(out)),
+        out,
+        log_name=lambda r: f"{phase}-rank{r}.log",
+        timeout=timeout,
     )
-    assert not hung, f"{phase}: ranks {hung} hung:\n{logs}"
     results = [json.loads((out / f"{phase}-rank{r}.json").read_text()) for r in range(2)]
     assert all(r["error"] is None for r in results), logs
     return results
