@@ -535,11 +535,7 @@ class LocalStorage(Storage):
     def read_bytes(self, path: str, *, limit: int) -> bytes:
         full = self.full(path)
         st = self.lstat_regular(path, full)
-        if st.st_size > limit:
-            raise InvalidManifest(
-                f"{full} is {st.st_size} bytes, over the {limit}-byte limit of this read; "
-                "refusing to read it"
-            )
+        _check_limit(full, st.st_size, limit)  # refused before a byte is read
         try:
             fd = os.open(full, os.O_RDONLY | _O_NOFOLLOW | os.O_NONBLOCK)
             try:
@@ -548,10 +544,7 @@ class LocalStorage(Storage):
                 os.close(fd)
         except OSError as e:
             raise self.io_error("read", path, e) from e
-        counters.read_small(len(data))
-        if len(data) > limit:
-            raise InvalidManifest(f"{full} grew over the {limit}-byte limit while being read")
-        return data
+        return _counted_small_read(full, data, limit)
 
     def size(self, path: str) -> int:
         full = self.full(path)
@@ -599,6 +592,24 @@ class LocalStorage(Storage):
 
     def local_path(self, path: str) -> str | None:
         return self.full(path)
+
+
+def _check_limit(where: str, size: int, limit: int) -> None:
+    """A small read (a manifest, an index) refuses a file larger than its caller allows."""
+    if size > limit:
+        raise InvalidManifest(
+            f"{where} is {size} bytes, over the {limit}-byte limit of this read; refusing to "
+            "read it"
+        )
+
+
+def _counted_small_read(where: str, data: bytes, limit: int) -> bytes:
+    """A small read's bytes (read with one byte to spare), counted, refused if the file
+    grew past the limit between its stat and its read."""
+    counters.read_small(len(data))
+    if len(data) > limit:
+        raise InvalidManifest(f"{where} grew over the {limit}-byte limit while being read")
+    return data
 
 
 class LocalDirFiles(DirFiles):
@@ -673,22 +684,13 @@ class LocalDirFiles(DirFiles):
         try:
             st = os.fstat(fd)
             self._regular(name, st)
-            if st.st_size > limit:
-                raise InvalidManifest(
-                    f"{self.dir}/{name} is {st.st_size} bytes, over the {limit}-byte limit of "
-                    "this read; refusing to read it"
-                )
+            _check_limit(f"{self.dir}/{name}", st.st_size, limit)
             data = os.read(fd, limit + 1)
         except OSError as e:
             raise self.local.io_error("read", f"{self.path}/{name}", e) from e
         finally:
             os.close(fd)
-        counters.read_small(len(data))
-        if len(data) > limit:
-            raise InvalidManifest(
-                f"{self.dir}/{name} grew over the {limit}-byte limit while being read"
-            )
-        return data
+        return _counted_small_read(f"{self.dir}/{name}", data, limit)
 
     def close(self) -> None:
         if self.fd is not None:
