@@ -28,19 +28,27 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from ckptd.cli import agent
 from ckptd.coordinator.catalog import Catalog, CatalogLock
+from ckptd.coordinator.catalog_sql import is_postgres_url
 from ckptd.coordinator.core import Coordinator
 from ckptd.errors import CkptError
 from ckptd.server import ServerOptions, create_server
+from ckptd.server.app import create_standby_server
 from ckptd.server.auth import load_token
 from ckptd.server.metrics import Metrics, MetricsServer
 from ckptd.storage.local import makedirs_durable
 from ckptd.storage.location import JobLocation
 
 log = logging.getLogger("ckptd")
+
+# A standby asks PostgreSQL for the leadership lock in waits of this long (it is granted
+# the moment the leader's session ends; the bound only lets a standby notice SIGTERM).
+STANDBY_POLL_S = 1.0
+# How often a leader on PostgreSQL proves it still holds the lock (at most a quarter lease).
+HEARTBEAT_S = 2.0
 
 
 def _read(path: str | None) -> bytes | None:
@@ -139,13 +147,16 @@ async def serve(args: argparse.Namespace) -> int:
             )
             return 2
         makedirs_durable(root.path)
+    if is_postgres_url(args.catalog or ""):
+        return await _serve_postgres(args, token, root.path)
     lock = CatalogLock(
         _catalog_path(args),
         what=f"the catalog of root {root.path}",
         advice="Stop the other `ckptd serve`, or give this one its own --catalog and --root",
     )
     try:
-        return await _serve_locked(args, token)
+        catalog = Catalog(_catalog_path(args), allow_network_fs=args.allow_network_catalog)
+        return await _run(args, token, catalog, args.listen, _stop_event())
     finally:
         lock.release()
 
@@ -160,12 +171,151 @@ def _check_listen(listen: str) -> str:
     return ""
 
 
-async def _serve_locked(args: argparse.Namespace, token: str | None) -> int:
-    catalog = Catalog(_catalog_path(args), allow_network_fs=args.allow_network_catalog)
+def _stop_event() -> asyncio.Event:
+    """Set by SIGTERM/SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def _options(args: argparse.Namespace, token: str | None) -> ServerOptions:
+    return ServerOptions(
+        token=token,
+        tls_cert=_read(args.tls_cert),
+        tls_key=_read(args.tls_key),
+        tls_client_ca=_read(args.tls_client_ca),
+        max_calls_per_client=args.max_calls_per_client,
+    )
+
+
+def _cannot_listen(args: argparse.Namespace, e: BaseException) -> int:
+    print(
+        f"error: cannot listen on {args.listen}: {e}; is another server using the port? "
+        "pick another --listen port (0 picks a free one)",
+        file=sys.stderr,
+    )
+    return 1
+
+
+async def _serve_postgres(args: argparse.Namespace, token: str | None, root: str) -> int:
+    """Stand by on a PostgreSQL catalog until this process leads, then serve (catalog_pg).
+
+    While standing by, the address answers every call UNAVAILABLE, naming the leader; once
+    PostgreSQL grants the leadership lock, the catalog is prepared, saves a previous leader
+    left in flight are finished or aborted (recovery, as after a restart), and the real
+    server takes the same address. A leader that loses its session exits (1)."""
+    try:
+        # Imported here: psycopg is the optional `postgres` extra, needed for this catalog only.
+        from ckptd.coordinator import catalog_pg
+    except ImportError as e:
+        print(
+            f"error: --catalog {args.catalog.split('@')[-1]} is a PostgreSQL catalog, which "
+            f"needs psycopg 3 ({e}): pip install 'ckptd[postgres]'",
+            file=sys.stderr,
+        )
+        return 1
+    backend = catalog_pg.PostgresBackend(
+        args.catalog, root=root, lease_s=args.lease, address=args.listen
+    )
+    stop = _stop_event()
+    state = {"phase": "standing by"}
+
+    def why() -> str:
+        leader = backend.leader() if state["phase"] == "standing by" else None
+        who = (
+            f"the leader is pid {leader.get('pid')} on {leader.get('host')} (--listen "
+            f"{leader.get('address')})"
+            if leader
+            else "no leader has written its name yet"
+        )
+        return (
+            f"this ckptd serve ({backend.address}) is {state['phase']} on the catalog "
+            f"{backend.where}; {who}. Give clients every coordinator's address "
+            "(CKPTD_ADDRESS=host1:port,host2:port): they move to the leader on their own"
+        )
+
+    options = _options(args, token)
+    try:
+        standby, port = await create_standby_server(args.listen, options, why)
+    except RuntimeError as e:  # grpc's "Failed to bind to address ..."
+        backend.close()
+        return _cannot_listen(args, e)
+    host = args.listen.rsplit(":", 1)[0]
+    backend.address = f"{host}:{port}"  # what the leader's row will say, once it leads
+    log.info("standing by on %s:%d for the catalog %s", host, port, backend.where)
+    print(f"ckptd: standing by on {host}:{port} (catalog {backend.where})", flush=True)
+    if args.port_file:
+        _write_atomically(args.port_file, str(port))
+    try:
+        while not stop.is_set():
+            if await asyncio.to_thread(backend.try_lead, STANDBY_POLL_S):
+                break
+        if stop.is_set():
+            await standby.stop(0)
+            backend.close()
+            return 0
+        state["phase"] = "taking over"
+        log.info("leading on the catalog %s: preparing it and recovering saves", backend.where)
+        await asyncio.to_thread(backend.migrate)
+    except BaseException:
+        await standby.stop(0)
+        backend.close()
+        raise
+    lost: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def on_lost(reason: str) -> None:
+        lost.append(reason)
+        loop.call_soon_threadsafe(stop.set)
+
+    backend.on_lost = on_lost
+    rc = await _run(
+        args,
+        token,
+        Catalog(backend),
+        f"{host}:{port}",
+        stop,
+        before_listen=lambda: standby.stop(None),
+        heartbeat=backend.beat,
+        lost=lost,
+    )
+    if lost:
+        print(
+            f"error: this ckptd serve lost the leadership of the catalog {backend.where} "
+            f"({lost[0]}); it exits so that a standby leads (saves in flight are finished or "
+            "aborted by the new leader). Start it again to stand by",
+            file=sys.stderr,
+        )
+        return 1
+    return rc
+
+
+async def _run(
+    args: argparse.Namespace,
+    token: str | None,
+    catalog: Catalog,
+    listen: str,
+    stop: asyncio.Event,
+    *,
+    before_listen: Callable[[], Awaitable[None]] | None = None,
+    heartbeat: Callable[[], None] | None = None,
+    lost: list[str] | None = None,
+) -> int:
+    """Serve `catalog` on `listen` until `stop`: recovery, metrics, the server, shutdown.
+    `heartbeat` (a leader's proof, catalog_pg) runs every HEARTBEAT_S off the loop; its
+    failure (said in `lost`) stops the service."""
     core = Coordinator(
         args.root, catalog, lease_s=args.lease, barrier_timeout_s=args.barrier_timeout
     )
-    await core.start()
+    try:
+        await core.start()
+    except BaseException:
+        if before_listen is not None:
+            await before_listen()
+        catalog.close()
+        raise
     if core.skipped_count:
         log.warning(
             "%d job(s), step(s) or directories under %s could not be read and are not "
@@ -191,36 +341,31 @@ async def _serve_locked(args: argparse.Namespace, token: str | None) -> int:
         print(f"ckptd: metrics on {metrics_host}:{metrics_server.port} (/metrics)", flush=True)
         if args.metrics_port_file:
             _write_atomically(args.metrics_port_file, str(metrics_server.port))
-    options = ServerOptions(
-        token=token,
-        tls_cert=_read(args.tls_cert),
-        tls_key=_read(args.tls_key),
-        tls_client_ca=_read(args.tls_client_ca),
-        max_calls_per_client=args.max_calls_per_client,
-    )
+    if before_listen is not None:
+        await before_listen()
     try:
-        server, port = await create_server(core, args.listen, options)
+        server, port = await create_server(core, listen, _options(args, token))
     except RuntimeError as e:  # grpc's "Failed to bind to address ..."
         await core.close()
         catalog.close()
         if metrics_server is not None:
             metrics_server.close()
-        print(
-            f"error: cannot listen on {args.listen}: {e}; is another server using the port? "
-            "pick another --listen port (0 picks a free one)",
-            file=sys.stderr,
-        )
-        return 1
-    host = args.listen.rsplit(":", 1)[0]
+        return _cannot_listen(args, e)
+    host = listen.rsplit(":", 1)[0]
     log.info("ckptd serving %s on %s:%d (catalog %s)", core.root, host, port, catalog.path)
     print(f"ckptd: serving {core.root} on {host}:{port}", flush=True)
     if args.port_file:
         _write_atomically(args.port_file, str(port))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    beat = (
+        asyncio.get_running_loop().create_task(
+            _beat(heartbeat, args.lease, stop, lost if lost is not None else [])
+        )
+        if heartbeat is not None
+        else None
+    )
     await stop.wait()
+    if beat is not None:
+        beat.cancel()
     log.info("stopping: finishing in-flight calls")
     await server.stop(grace=10)
     await core.close()
@@ -228,6 +373,23 @@ async def _serve_locked(args: argparse.Namespace, token: str | None) -> int:
     if metrics_server is not None:
         metrics_server.close()
     return 0
+
+
+async def _beat(
+    heartbeat: Callable[[], None], lease_s: float, stop: asyncio.Event, lost: list[str]
+) -> None:
+    """Prove the leadership every few seconds; a proof that fails, or does not come within
+    half the lease, stops the service (a standby may lead by the end of the lease)."""
+    while not stop.is_set():
+        await asyncio.sleep(min(HEARTBEAT_S, lease_s / 4))
+        try:
+            await asyncio.wait_for(asyncio.to_thread(heartbeat), lease_s / 2)
+        except (CkptError, TimeoutError) as e:
+            why = str(e) or f"the catalog did not answer within {lease_s / 2:.0f} s"
+            log.error("leadership lost: %s", why)
+            lost.append(why)
+            stop.set()
+            return
 
 
 def _write_atomically(path: str, text: str) -> None:

@@ -164,6 +164,11 @@ _TYPES = {"INTEGER": "BIGINT", "REAL": "DOUBLE PRECISION", "TEXT": 'TEXT COLLATE
 _TYPE_WORD = re.compile(r"\b(INTEGER|REAL|TEXT)\b")
 
 
+def is_postgres_url(target: str) -> bool:
+    """Whether a --catalog names a PostgreSQL database (else it is a SQLite file)."""
+    return target.startswith(("postgresql://", "postgres://"))
+
+
 def postgres_ddl(ddl: str) -> str:
     """SQLite's DDL in PostgreSQL's types: 64-bit integers (steps, generations and byte
     counts exceed 32 bits), double-precision times, and text that compares bytewise
