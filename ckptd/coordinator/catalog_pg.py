@@ -104,8 +104,12 @@ class PostgresBackend:
         self._wlock = threading.Lock()
         self._sql: dict[str, str] = {}
         self._writer = self._connect("writer")
-        self._keepalive(self._writer)
-        self._reader = self._connect("reader")
+        try:
+            self._keepalive(self._writer)
+            self._reader = self._connect("reader")
+        except BaseException:
+            self._writer.close()
+            raise
 
     # -- connections -------------------------------------------------------------------
     def _connect(self, purpose: str) -> psycopg.Connection[Any]:
@@ -294,7 +298,7 @@ class PostgresBackend:
                         else:
                             cur.executemany(sql, rows)
             except psycopg.Error as e:
-                raise self._failed(e, "writing") from None
+                raise self._failed(e, "write") from None
 
     def query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         pg = self._pg(sql)
