@@ -13,6 +13,7 @@ committed, catalog and storage agree.
 
 from __future__ import annotations
 
+import os
 import signal
 import types
 from pathlib import Path
@@ -110,6 +111,43 @@ def test_the_leader_killed_between_saves(fx: Job, pg_url: str, tally, monkeypatc
         for r in ranks:
             r.resume()
         assert wait_all(ranks, fx) == [0, 0], fx.logs()
+        for r in ranks:
+            assert r.outcomes() == ["ok", "ok", "ok"], (r.outcomes(), fx.logs())
+        check_invariant(fx.job, [2], world=2, monkeypatch=monkeypatch, catalog=pg_url)
+    assert pg_leader(pg_url)["address"] == pair.b.address  # type: ignore[index]
+    assert pair.b.stop() == 0
+
+
+@pytest.mark.slow  # the ranks' first call to the frozen leader waits out its deadline (~35 s)
+def test_a_frozen_leader_is_replaced_and_never_writes_again(
+    fx: Job, pg_url: str, tally, monkeypatch
+) -> None:
+    """SIGSTOP: the leader's process lives and its session stays open, so no socket
+    closes; PostgreSQL ends the session once it has been idle for half the lease, the
+    standby leads, the ranks' calls to the frozen one pass their deadline and go to it,
+    and the old leader, woken, finds its session gone and exits (1)."""
+    pair = Pair(fx, pg_url, lease_s=4).start()
+    with tally.fault("freeze: the leading ckptd serve stopped (SIGSTOP) between saves"):
+        ranks = fx.launch(
+            pair.both,  # type: ignore[arg-type]
+            "a1",
+            [_save(1), {"stop": True}, _save(2)],
+            lease_s=4,
+            timeout_s=5,
+        )
+        for r in ranks:
+            r.wait_paused()
+        assert pair.a.proc is not None
+        os.kill(pair.a.proc.pid, signal.SIGSTOP)
+        try:
+            wait_leading(pair.b)
+            for r in ranks:
+                r.resume()
+            assert wait_all(ranks, fx) == [0, 0], fx.logs()
+        finally:
+            os.kill(pair.a.proc.pid, signal.SIGCONT)
+        assert pair.a.wait_dead(30) == 1, pair.a.log()
+        assert "lost the leadership of the catalog" in pair.a.log(), pair.a.log()
         for r in ranks:
             assert r.outcomes() == ["ok", "ok", "ok"], (r.outcomes(), fx.logs())
         check_invariant(fx.job, [2], world=2, monkeypatch=monkeypatch, catalog=pg_url)

@@ -271,16 +271,20 @@ async def _serve_postgres(args: argparse.Namespace, token: str | None, root: str
         loop.call_soon_threadsafe(stop.set)
 
     backend.on_lost = on_lost
-    rc = await _run(
-        args,
-        token,
-        Catalog(backend),
-        f"{host}:{port}",
-        stop,
-        before_listen=lambda: standby.stop(None),
-        heartbeat=backend.beat,
-        lost=lost,
-    )
+    # From the first moment it leads (recovery can take a while): PostgreSQL ends an idle
+    # leader's session (catalog_pg), and a leader that cannot prove itself stops.
+    beat = loop.create_task(_beat(backend.beat, args.lease, stop, lost))
+    try:
+        rc = await _run(
+            args,
+            token,
+            Catalog(backend),
+            f"{host}:{port}",
+            stop,
+            before_listen=lambda: standby.stop(None),
+        )
+    finally:
+        beat.cancel()
     if lost:
         print(
             f"error: this ckptd serve lost the leadership of the catalog {backend.where} "
@@ -300,12 +304,9 @@ async def _run(
     stop: asyncio.Event,
     *,
     before_listen: Callable[[], Awaitable[None]] | None = None,
-    heartbeat: Callable[[], None] | None = None,
-    lost: list[str] | None = None,
 ) -> int:
     """Serve `catalog` on `listen` until `stop`: recovery, metrics, the server, shutdown.
-    `heartbeat` (a leader's proof, catalog_pg) runs every HEARTBEAT_S off the loop; its
-    failure (said in `lost`) stops the service."""
+    `before_listen` frees the address first (a standby's server)."""
     core = Coordinator(
         args.root, catalog, lease_s=args.lease, barrier_timeout_s=args.barrier_timeout
     )
@@ -356,16 +357,7 @@ async def _run(
     print(f"ckptd: serving {core.root} on {host}:{port}", flush=True)
     if args.port_file:
         _write_atomically(args.port_file, str(port))
-    beat = (
-        asyncio.get_running_loop().create_task(
-            _beat(heartbeat, args.lease, stop, lost if lost is not None else [])
-        )
-        if heartbeat is not None
-        else None
-    )
     await stop.wait()
-    if beat is not None:
-        beat.cancel()
     log.info("stopping: finishing in-flight calls")
     await server.stop(grace=10)
     await core.close()
@@ -378,8 +370,9 @@ async def _run(
 async def _beat(
     heartbeat: Callable[[], None], lease_s: float, stop: asyncio.Event, lost: list[str]
 ) -> None:
-    """Prove the leadership every few seconds; a proof that fails, or does not come within
-    half the lease, stops the service (a standby may lead by the end of the lease)."""
+    """Prove the leadership every HEARTBEAT_S (at most a quarter lease); a proof that
+    fails, or does not come within half the lease, stops the service (a standby may lead
+    by then)."""
     while not stop.is_set():
         await asyncio.sleep(min(HEARTBEAT_S, lease_s / 4))
         try:

@@ -159,6 +159,7 @@ class PostgresBackend:
                 except psycopg.errors.LockNotAvailable:
                     return False
                 self._writer.execute("SET lock_timeout = 0")
+                self._lease_on_session()
             except psycopg.Error as e:
                 raise CatalogUnavailable(
                     f"the catalog {self.where} went away while this coordinator stood by: "
@@ -166,6 +167,17 @@ class PostgresBackend:
                 ) from None
         self.leading = True
         return True
+
+    def _lease_on_session(self) -> None:
+        """A leader that stops running (SIGSTOP, a hung loop: its session alive, idle) must
+        not keep the lock: PostgreSQL ends a leader's session idle for half the lease, and
+        the leader's heartbeat (`beat`, every few seconds) keeps a running one busy."""
+        ms = max(1000, int(self.lease_s * 500))
+        for setting in ("idle_session_timeout", "idle_in_transaction_session_timeout"):
+            try:
+                self._writer.execute(f"SET {setting} = {ms}")
+            except psycopg.errors.UndefinedObject:  # PostgreSQL < 14: no idle_session_timeout
+                pass
 
     def leader(self) -> dict[str, Any] | None:
         """Who leads (as its row in ckptd_meta says: host, pid, address, since), if any
@@ -227,13 +239,18 @@ class PostgresBackend:
 
     def beat(self) -> None:
         """Prove the leadership now (the fence, alone); raises CatalogUnavailable when
-        this process no longer leads, and it never will again."""
-        with self._wlock:
+        this process no longer leads, and it never will again. While a write runs, that
+        write is the proof (its own fence; the session is busy, not idle)."""
+        if not self._wlock.acquire(blocking=False):
+            return
+        try:
             self._check_lost()
             try:
                 self._fence(self._writer.cursor())
             except psycopg.Error as e:
                 raise self._failed(e, "proving its leadership") from None
+        finally:
+            self._wlock.release()
 
     def _fence(self, cur: psycopg.Cursor[Any]) -> None:
         row = cur.execute(_FENCE, LOCK_KEY).fetchone()

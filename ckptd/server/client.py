@@ -19,7 +19,9 @@ Several addresses ("a:7070,b:7070", as CKPTD_ADDRESS may give them: coordinators
 PostgreSQL catalog, one leading and the others standing by) are tried in turn: a call
 answered UNAVAILABLE (a standby says so, a dead leader cannot answer) goes at once to the
 next address, and only after every address was tried does the client back off; the
-address that answered is kept for the calls after it. The retry window is the same.
+address that answered is kept for the calls after it. So does a call whose deadline
+passed (a frozen leader, or one whose host vanished, answers nothing; every call of the
+protocol may be sent again). The retry window is the same.
 """
 
 from __future__ import annotations
@@ -172,10 +174,14 @@ class CoordinatorClient:
                     details = f"{self.current_address}: {details}"
                 # The window opens at the first failure: a barrier wait of minutes that the
                 # coordinator's death cut short gets the whole window to find it again.
-                if code in RETRYABLE:
+                # Given several addresses, a call whose deadline passed goes to the next one
+                # too: a leader that froze (or whose host vanished) answers nothing, and
+                # every call of the protocol may be sent again (as after UNAVAILABLE).
+                several = len(self.addresses) > 1
+                if code in RETRYABLE or (several and code == grpc.StatusCode.DEADLINE_EXCEEDED):
                     if give_up is None:
                         give_up = time.monotonic() + self.retry_window_s()
-                    if len(self.addresses) > 1:
+                    if several:
                         self._current = (self._current + 1) % len(self.addresses)
                         if untried > 0:
                             untried -= 1
@@ -186,10 +192,6 @@ class CoordinatorClient:
                         delay = min(delay * 2, 2.0)
                         continue
                 if code in RETRYABLE or code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    if code == grpc.StatusCode.DEADLINE_EXCEEDED and len(self.addresses) > 1:
-                        # A leader whose host vanished answers nothing: this call fails
-                        # (it may have been carried out), the next one tries the next.
-                        self._current = (self._current + 1) % len(self.addresses)
                     raise self.unavailable(what, f"{code.name}: {details}") from None
                 self.reached = True  # it answered, with an error of its own
                 trailers = e.trailing_metadata() if isinstance(e, grpc.Call) else None
