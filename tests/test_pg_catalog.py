@@ -381,3 +381,37 @@ def test_an_unreachable_catalog_says_what_to_check(tally: Any, pg_server: Any) -
     msg = str(e.value)
     assert "cannot reach the catalog" in msg and "createdb" in msg
     assert "secret" not in msg and "ckptd:***@127.0.0.1" in msg
+
+
+def test_rebuild_catalog_on_postgres(pg_url: str, tmp_path: Path, capsys) -> None:
+    """`ckptd rebuild-catalog --catalog postgresql://...` recreates the rows from storage,
+    and is refused while a coordinator leads on the catalog."""
+    from ckptd.cli import serve
+    from ckptd.storage import JobLocation
+
+    root = tmp_path / "root"
+    root.mkdir()
+    where = JobLocation.of(str(root)).path
+
+    async def save() -> None:
+        core = Coordinator(where, Catalog(leading_backend(pg_url, where)), lease_s=60)
+        await core.start()
+        sims = [RankSim(core, str(root / "job"), r, 1) for r in range(1)]
+        for step in (1, 2):
+            sims[0].prepare({"w": torch.arange(8.0) * step})
+            assert (await sims[0].save(step)).status == "COMMITTED"
+        await core.close()
+        core.catalog.close()
+
+    run(save())
+    leader = leading_backend(pg_url, where)
+    assert serve.main(["rebuild-catalog", "--root", where, "--catalog", pg_url]) == 1
+    assert "stop every ckptd serve on it" in capsys.readouterr().err
+    run(Catalog(leader).forget_retired("job", 1))  # a catalog that lost a row
+    leader.close()
+    assert serve.main(["rebuild-catalog", "--root", where, "--catalog", pg_url]) == 0
+    assert "2 committed checkpoint(s)" in capsys.readouterr().out
+    cat = Catalog(leading_backend(pg_url, where))
+    assert [(r.step, r.status) for r in cat.saves("job")] == [(1, "COMMITTED"), (2, "COMMITTED")]
+    assert not cat.created
+    cat.close()

@@ -395,6 +395,8 @@ def _write_atomically(path: str, text: str) -> None:
 
 def rebuild(args: argparse.Namespace) -> int:
     path = _catalog_path(args)
+    if is_postgres_url(path):
+        return _rebuild_postgres(args, path)
     lock = CatalogLock(
         path,
         what=f"the catalog of root {JobLocation.of(args.root).path}",
@@ -421,6 +423,42 @@ def _rebuild_locked(args: argparse.Namespace, path: str) -> int:
         print(f"skipped {skipped.path}: {skipped.reason}; {skipped.advice}")
     if core.skipped_count > len(core.skipped):
         print(f"... and {core.skipped_count - len(core.skipped)} more (see the log)")
+    return 0
+
+
+def _rebuild_postgres(args: argparse.Namespace, url: str) -> int:
+    """rebuild-catalog on a PostgreSQL catalog: only while no `ckptd serve` leads on it
+    (this process takes the leadership lock, so none can start meanwhile)."""
+    # Imported here: psycopg is the optional `postgres` extra, needed for this catalog only.
+    from ckptd.coordinator import catalog_pg
+
+    root = JobLocation.of(args.root).path
+    backend = catalog_pg.PostgresBackend(url, root=root)
+    if not backend.try_lead(0.5):
+        leader = backend.leader() or {}
+        backend.close()
+        print(
+            f"error: a ckptd serve leads on the catalog {backend.where} (pid "
+            f"{leader.get('pid', '?')} on {leader.get('host', '?')}): stop every ckptd serve "
+            "on it (the standbys too) before rebuilding it",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        backend.reset()
+        backend.migrate()
+    except BaseException:
+        backend.close()
+        raise
+    catalog = Catalog(backend)
+    try:
+        core = Coordinator(args.root, catalog)
+        n = core.rebuild_from_storage()
+    finally:
+        catalog.close()
+    print(f"rebuilt {backend.where}: {n} committed checkpoint(s) found under {core.root}")
+    for skipped in core.skipped:
+        print(f"skipped {skipped.path}: {skipped.reason}; {skipped.advice}")
     return 0
 
 

@@ -60,6 +60,7 @@ _FENCE = (
     "AND objsubid = 2 AND granted AND pid = pg_backend_pid() "
     "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
 )
+TABLES = ("jobs", "saves", "attempts", "reports", "tiers", "retiring", "batch_reports")
 META = "CREATE TABLE IF NOT EXISTS ckptd_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
 READ_TIMEOUT_MS = 10_000  # a read runs on the event loop: never let one hang it
 
@@ -188,6 +189,27 @@ class PostgresBackend:
         except psycopg.Error:
             return None
         return None if row is None else dict(json.loads(row[0]))
+
+    def reset(self) -> None:
+        """Drop the catalog's rows for a rebuild from storage (`ckptd rebuild-catalog`); the
+        leader only, on a catalog of this root. `migrate` then recreates the tables."""
+        with self._wlock:
+            try:
+                with self._writer.transaction():
+                    cur = self._writer.cursor()
+                    self._fence(cur)
+                    cur.execute(META)
+                    row = cur.execute("SELECT value FROM ckptd_meta WHERE key = 'root'").fetchone()
+                    if row is not None and row[0] != self.root:
+                        raise CatalogError(
+                            f"the catalog {self.where} belongs to the root {row[0]}, not "
+                            f"{self.root}: rebuild it with --root {row[0]}"
+                        )
+                    for table in TABLES:
+                        cur.execute(f"DROP TABLE IF EXISTS {table}")
+                    cur.execute("DELETE FROM ckptd_meta WHERE key = 'schema_version'")
+            except psycopg.Error as e:
+                raise self._failed(e, "dropping the catalog's rows") from None
 
     def migrate(self) -> None:
         """The leader's first transaction: the schema at SCHEMA_VERSION (additive, as
