@@ -415,3 +415,13 @@ def test_rebuild_catalog_on_postgres(pg_url: str, tmp_path: Path, capsys) -> Non
     assert [(r.step, r.status) for r in cat.saves("job")] == [(1, "COMMITTED"), (2, "COMMITTED")]
     assert not cat.created
     cat.close()
+
+
+def test_serve_on_an_unreachable_catalog_says_so(pg_server: Any, tmp_path: Path, capsys) -> None:
+    from ckptd.cli import serve
+
+    url = pg_server.url("no_such_db")
+    argv = ["serve", "--root", str(tmp_path), "--catalog", url, "--insecure-no-token"]
+    assert serve.main([*argv, "--listen", "127.0.0.1:0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot reach the catalog postgresql://") and "createdb" in err

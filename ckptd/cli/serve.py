@@ -2,7 +2,7 @@
 `ckptd agent` runs a node's memory agent (ckptd.cli.agent).
 
     ckptd serve --root /ckpts --listen 0.0.0.0:7070 [--create-root]
-                [--catalog /var/lib/ckptd/catalog.sqlite]
+                [--catalog /var/lib/ckptd/catalog.sqlite | --catalog postgresql://U@H/DB]
                 [--token-file F] [--tls-cert C --tls-key K [--tls-client-ca CA]]
                 [--lease 60] [--barrier-timeout 600]
                 [--metrics-port N [--metrics-host H] [--metrics-port-file F]]
@@ -17,6 +17,11 @@ cannot be read (unreadable, a symlink loop or a link out of the root, a corrupt
 manifest) is logged with its path and skipped by the start-up scan, never fatal; the
 metric ckptd_scan_skipped counts them and `ckptd rebuild-catalog` prints them. With --metrics-port,
 Prometheus metrics are served at http://HOST:PORT/metrics (ckptd/server/metrics.py).
+
+With --catalog postgresql://..., several `ckptd serve` (one root) share the catalog: one
+leads, the others stand by answering UNAVAILABLE until PostgreSQL hands them the
+leadership (ckptd/coordinator/catalog_pg.py, docs/coordinator.md); a leader that loses it
+exits 1, to be restarted as a standby.
 """
 
 from __future__ import annotations
@@ -65,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--root", required=True, help="checkpoint root; every job lives under it")
     s.add_argument("--create-root", action="store_true", help="create --root if it does not exist")
     s.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT (port 0 picks one)")
-    s.add_argument("--catalog", help="catalog file (default <root>/.ckptd/catalog.sqlite)")
+    s.add_argument(
+        "--catalog",
+        help="catalog file (default <root>/.ckptd/catalog.sqlite), or postgresql://USER@HOST/DB "
+        "(a leader and standbys share it)",
+    )
     s.add_argument(
         "--allow-network-catalog", action="store_true", help="allow the catalog on NFS/Lustre"
     )
