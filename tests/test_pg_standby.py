@@ -176,22 +176,30 @@ def test_the_leader_killed_while_ranks_write(fx: Job, pg_url: str, tally, monkey
     assert pair.b.stop() == 0
 
 
-# The commit's crash points (the per-rank protocol; node batches are the restart tests'):
-# after_barrier is a save in flight, the others are the commit itself.
-TAKEOVER_POINTS = [p for p in COORDINATOR_POINTS if p not in NODE_POINTS]
+# The commit's crash points with the ranks calling the coordinator themselves
+# (after_barrier is a save in flight, the others are the commit itself), and two with the
+# ranks saving through their node's aggregator (its upstream client has both addresses).
+TAKEOVER_CASES = [
+    *((p, "per-rank") for p in COORDINATOR_POINTS if p not in NODE_POINTS),
+    ("coordinator.node_batch_unanswered", "node"),
+    ("coordinator.mid_manifest", "node"),
+]
 
 
-@pytest.mark.parametrize("point", TAKEOVER_POINTS)
-def test_the_leader_killed_at(point: str, fx: Job, pg_url: str, tally, monkeypatch) -> None:
+@pytest.mark.parametrize(("point", "protocol"), TAKEOVER_CASES)
+def test_the_leader_killed_at(
+    point: str, protocol: str, fx: Job, pg_url: str, tally, monkeypatch
+) -> None:
     retention = point == "coordinator.during_retention"
     old = [1, 2] if retention else [1]
     new = old[-1] + 1
     keep = 2 if retention else None
     _seed(fx, pg_url, old)
     pair = Pair(fx, pg_url)
-    with tally.fault(f"crash:{point} (the standby takes over)"):
+    node = protocol == "node"
+    with tally.fault(f"crash:{point} (the standby takes over, {protocol})"):
         pair.start(env_a={"CKPT_CRASH_AT": point})
-        ranks = fx.launch(pair.both, "a1", [_save(new)], keep_last=keep)  # type: ignore[arg-type]
+        ranks = fx.launch(pair.both, "a1", [_save(new)], keep_last=keep, node=node)  # type: ignore[arg-type]
         assert pair.a.wait_dead(60) == -signal.SIGKILL, pair.a.log()
         wait_leading(pair.b)
         assert wait_all(ranks, fx) == [0, 0], fx.logs()
