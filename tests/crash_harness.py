@@ -9,8 +9,9 @@ and the kill soak fit the default run on a 2-core box.
 `check_invariant` is the promise the crash tests hold the system to after any kill: the
 newest committed step is the old one or the new one, every committed step is whole
 (`verify` finds nothing), the newest loads bit-exactly as every rank, and the
-coordinator's catalog (read from its SQLite file) calls nothing committed that storage
-does not hold, and leaves nothing OPEN or COMMITTING once the coordinator has recovered.
+coordinator's catalog (read from its SQLite file, or its PostgreSQL database) calls
+nothing committed that storage does not hold, and leaves nothing OPEN or COMMITTING once
+the coordinator has recovered.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,12 @@ from coordinator_fixtures import (
     start_rank,
     started,
 )
+from pg_server import read_pg_catalog
 from ranks.plain_rank import make_state
 
 import ckpt
+from ckptd.coordinator.catalog import Catalog
+from ckptd.coordinator.core import Coordinator
 from ckptd.format import checkpoint as ckfmt
 from ckptd.storage import open_storage
 
@@ -239,15 +243,25 @@ class Job:
         return ranks
 
     def save_in_process(
-        self, steps: Iterable[int], *, world: int = 2, keep_last: int = 0, frozen: bool = False
+        self,
+        steps: Iterable[int],
+        *,
+        world: int = 2,
+        keep_last: int = 0,
+        frozen: bool = False,
+        catalog: Callable[[], Catalog] | None = None,
     ) -> None:
         """Commit `steps` (seed = step, as plain_rank saves them) with the real core and
-        writer in this process, on the catalog `ckptd serve` will use: the checkpoints a
-        crash test starts from, without paying for rank processes. frozen: with the
-        tensor an incremental save borrows (make_state)."""
+        writer in this process, on the catalog `ckptd serve` will use (the root's SQLite,
+        or what `catalog` opens): the checkpoints a crash test starts from, without paying
+        for rank processes. frozen: with the tensor an incremental save borrows
+        (make_state)."""
 
         async def go() -> None:
-            async with started(new_core(self.root)) as core:
+            core = (
+                new_core(self.root) if catalog is None else Coordinator(str(self.root), catalog())
+            )
+            async with started(core) as core:
                 for step in steps:
                     sims = [RankSim(core, str(self.job), r, world) for r in range(world)]
                     for sim in sims:
@@ -338,7 +352,7 @@ def check_invariant(
     *,
     world: int,
     monkeypatch: pytest.MonkeyPatch,
-    catalog: Path | None = None,
+    catalog: Path | str | None = None,
     frozen: bool = False,
 ) -> int:
     """The invariant after a kill and recovery; returns the newest committed step.
@@ -359,12 +373,17 @@ def check_invariant(
             continue
         assert rep.ok, f"{job} step {s} is committed but does not verify: {rep.problems}"
     assert_loads(job, newest, newest, world, monkeypatch, frozen)
-    if catalog is not None and catalog.exists():
-        rows = read_catalog(catalog)
+    pg = isinstance(catalog, str)  # a PostgreSQL catalog's URL
+    if catalog is not None and (pg or Path(catalog).exists()):
+        rows, retiring = (
+            read_pg_catalog(str(catalog))
+            if pg
+            else (read_catalog(Path(catalog)), retiring_steps(Path(catalog)))
+        )
         cat_committed = sorted(s for s, r in rows.items() if r["status"] == "COMMITTED")
         # A step retention is removing (listed in `retiring`) may have lost its manifest
         # already; any other catalog COMMITTED row without one is a phantom commit.
-        phantom = sorted(set(cat_committed) - set(steps) - retiring_steps(catalog))
+        phantom = sorted(set(cat_committed) - set(steps) - retiring)
         assert not phantom, (
             f"{job}: the catalog calls steps {phantom} COMMITTED but storage has no manifest"
         )

@@ -1,4 +1,4 @@
-"""The coordinator's catalog: SQLite (WAL, synchronous=FULL) on a local disk.
+"""The coordinator's catalog: one set of semantics over two databases.
 
 It records each job's newest generation, each save's status and, durably before a rank
 is told its report was accepted, every shard report, plus the manifest draft (state and
@@ -11,16 +11,17 @@ Every statement is here: the core records a save's life through typed methods
 (`record_begin`, `record_draft`, `record_reports`, `mark_committing`, `mark_committed`,
 `mark_aborted`, `mark_quarantined`, `record_tier`, `add_retiring`, `forget_retired`,
 `set_generation`, and `found_job` for a rebuild), each one durable
-transaction shared with whatever else is queued (group commit).
-
-SQLite's locking is not safe on NFS/Lustre/other network filesystems, so opening a
-catalog there is refused unless explicitly allowed.
+transaction shared with whatever else is queued (group commit). The statements are
+written once (catalog_sql's forms) and run by a backend: SQLite on a local disk
+(catalog_sqlite, the embedded default) or PostgreSQL (catalog_pg, `ckptd serve --catalog
+postgresql://...`, where a standby coordinator can take over; docs/coordinator.md).
 
 One coordinator per catalog: two (two processes that each started an embedded coordinator
 on one job, two `ckptd serve` on one root) would each believe their own generations and
-recover, that is abort, each other's saves in flight. A coordinator holds `CatalogLock`,
-an flock on `<catalog>.lock`, for its life; the kernel releases it when the process dies,
-so a killed coordinator never leaves it stuck.
+recover, that is abort, each other's saves in flight. A coordinator of a SQLite catalog
+holds `CatalogLock`, an flock on `<catalog>.lock`, for its life; the kernel releases it
+when the process dies, so a killed coordinator never leaves it stuck. On PostgreSQL the
+leader holds an advisory lock on the session that does its writes (catalog_pg).
 """
 
 from __future__ import annotations
@@ -31,12 +32,23 @@ import fcntl
 import json
 import os
 import socket
-import sqlite3
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ckptd.coordinator.catalog_sql import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    Backend,
+    CatalogError,
+    CatalogUnavailable,
+    InsertIgnore,
+    Replace,
+    Sql,
+    Statement,
+)
+from ckptd.coordinator.catalog_sqlite import SqliteBackend
 from ckptd.coordinator.types import (
     ABORTED,
     COMMITTED,
@@ -47,106 +59,18 @@ from ckptd.coordinator.types import (
     ShardReport,
     StatusResult,
 )
-from ckptd.errors import CkptError, JobInUse
-from ckptd.storage.location import NETWORK_FS, filesystem_type
+from ckptd.errors import JobInUse
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job TEXT PRIMARY KEY,
-    generation INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS saves (
-    job TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    generation INTEGER NOT NULL,
-    world_size INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '',
-    bytes INTEGER NOT NULL DEFAULT 0,
-    created_unix REAL NOT NULL,
-    committed_unix REAL NOT NULL DEFAULT 0,
-    manifest_blake3 TEXT NOT NULL DEFAULT '',
-    draft TEXT,
-    keep_last INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (job, step)
-);
-CREATE TABLE IF NOT EXISTS attempts (
-    job TEXT NOT NULL,
-    attempt TEXT NOT NULL,
-    generation INTEGER NOT NULL,
-    PRIMARY KEY (job, attempt)
-);
-CREATE TABLE IF NOT EXISTS reports (
-    job TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    generation INTEGER NOT NULL,
-    rank INTEGER NOT NULL,
-    report TEXT NOT NULL,
-    PRIMARY KEY (job, step, generation, rank)
-);
-"""
-
-# Schema 2: the tiers that hold each step besides the job's directory (the "local" tier,
-# whose state is the saves table): a mirror's copy is UPLOADING, HELD (verified and
-# committed there) or FAILED (reason says why); retention in the mirror deletes the row.
-# A new table, so the migration of a schema-1 catalog is creating it (`migrate`).
-TIERS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS tiers (
-    job TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    tier TEXT NOT NULL,
-    url TEXT NOT NULL,
-    status TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '',
-    updated_unix REAL NOT NULL,
-    PRIMARY KEY (job, step, tier)
-);
-"""
-# Schema 3: steps retention has begun to remove. Retention lists a step here, removes it
-# from storage, then deletes its rows; a restarted coordinator finishes exactly what is
-# listed. A committed step whose manifest vanished otherwise is damage to report, never
-# debris to delete.
-RETIRING_SCHEMA = """
-CREATE TABLE IF NOT EXISTS retiring (
-    job TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    PRIMARY KEY (job, step)
-);
-"""
-# Schema 4: each save's parent, the step its state descends from (NULL: not recorded), so
-# retention follows the job's live line (docs/concepts.md, Rollbacks and the live line).
-# Schema 5: shard reports one row a batch (a node's, or one rank's), keyed by the batch's
-# first rank, its reports a JSON list of [rank, report]: rows grow with nodes, not ranks.
-# Rows of the per-rank `reports` table (schema 1-4, a save in flight across an upgrade)
-# are still read; nothing writes them now.
-BATCH_REPORTS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS batch_reports (
-    job TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    generation INTEGER NOT NULL,
-    first_rank INTEGER NOT NULL,
-    reports TEXT NOT NULL,
-    PRIMARY KEY (job, step, generation, first_rank)
-);
-"""
-SCHEMA_VERSION = 5
-
-
-def migrate(db: sqlite3.Connection) -> None:
-    """Bring a catalog to SCHEMA_VERSION; additive only, so older readers still work."""
-    version = int(db.execute("PRAGMA user_version").fetchone()[0])
-    if version < 2:
-        db.executescript(TIERS_SCHEMA)
-    if version < 3:
-        db.executescript(RETIRING_SCHEMA)
-    if version < 4:
-        columns = {row[1] for row in db.execute("PRAGMA table_info(saves)")}
-        if "parent" not in columns:
-            db.execute("ALTER TABLE saves ADD COLUMN parent INTEGER")
-    if version < 5:
-        db.executescript(BATCH_REPORTS_SCHEMA)
-    if version < SCHEMA_VERSION:
-        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "Catalog",
+    "CatalogError",
+    "CatalogLock",
+    "CatalogUnavailable",
+    "SaveRecord",
+    "TierRecord",
+]
 
 
 @dataclasses.dataclass
@@ -158,10 +82,6 @@ class TierRecord:
     status: str
     reason: str = ""
     updated_unix: float = 0.0
-
-
-class CatalogError(CkptError):
-    pass
 
 
 @dataclasses.dataclass
@@ -187,18 +107,6 @@ class SaveRecord:
     def draft_doc(self) -> dict[str, Any] | None:
         """The manifest's draft (`Catalog.record_draft`); None before the plan was made."""
         return None if self.draft is None else json.loads(self.draft)
-
-
-def check_local(path: str) -> None:
-    d = path if os.path.isdir(path) else os.path.dirname(path) or "."
-    fstype = filesystem_type(d)
-    if fstype in NETWORK_FS:
-        raise CatalogError(
-            f"the catalog {path} would live on a {fstype} filesystem; SQLite's locking and WAL "
-            "are not safe there. Put it on a local disk (ckptd serve --catalog /local/path, or "
-            "CKPTD_CATALOG_DIR for the embedded coordinator), or pass --allow-network-catalog "
-            "if only one coordinator will ever open it"
-        )
 
 
 class CatalogLock:
@@ -234,30 +142,27 @@ class CatalogLock:
 
 
 class Catalog:
-    def __init__(self, path: str, *, allow_network_fs: bool = False):
-        self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        if not allow_network_fs:
-            check_local(path)
-        self.created = not os.path.exists(path)
-        try:
-            # Two connections: writes (and their fsyncs) run on one thread of their own, off
-            # the event loop; reads run on the loop against the other (WAL lets them proceed).
-            self._wdb = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-            self._wdb.execute("PRAGMA journal_mode=WAL")
-            self._wdb.execute("PRAGMA synchronous=FULL")
-            self._wdb.executescript(SCHEMA)
-            migrate(self._wdb)
-            self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as e:
-            raise CatalogError(
-                f"cannot open the catalog {path}: {e}; it must be a writable file on a local "
-                "disk (ckptd serve --catalog PATH, or CKPTD_CATALOG_DIR for the embedded "
-                "coordinator)"
-            ) from e
+    """The catalog over a backend: `Catalog(path)` is SQLite at that path; a Backend
+    instance (catalog_pg.PostgresBackend, leading) is used as it is."""
+
+    def __init__(self, target: str | Backend, *, allow_network_fs: bool = False):
+        self.backend: Backend = (
+            SqliteBackend(target, allow_network_fs=allow_network_fs)
+            if isinstance(target, str)
+            else target
+        )
+        self.path = self.backend.where
+        self.created = self.backend.created
+        # Writes run on one thread of their own, off the event loop; reads run on the loop.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckptd-catalog")
-        self._pending: list[tuple[list[tuple[str, tuple[Any, ...]]], asyncio.Future[None]]] = []
+        self._pending: list[tuple[list[Statement], str, asyncio.Future[None]]] = []
         self._flush_task: asyncio.Task[None] | None = None
+
+    @property
+    def db(self) -> Any:
+        """The SQLite reader connection (for tools that read the file's pragmas); None on
+        another backend."""
+        return getattr(self.backend, "db", None)
 
     async def drain(self) -> None:
         """Wait until every queued write is durable (or has failed)."""
@@ -266,15 +171,14 @@ class Catalog:
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
-        self.db.close()
-        self._wdb.close()
+        self.backend.close()
 
     # -- group commit ------------------------------------------------------------------
-    async def _write(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
+    async def _write(self, *statements: Statement, what: str = "") -> None:
         """Execute statements durably, in one transaction; concurrent callers share one
-        transaction and one fsync."""
+        transaction and one fsync. `what` (job, step) prefixes a failure's message."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((list(statements), fut))
+        self._pending.append((list(statements), what, fut))
         if self._flush_task is None or self._flush_task.done():
             self._flush_task = asyncio.get_running_loop().create_task(self._flush())
         await fut
@@ -288,43 +192,33 @@ class Catalog:
             batch, self._pending = self._pending, []
             try:
                 await loop.run_in_executor(
-                    self._writer, self._commit, [st for sts, _ in batch for st in sts]
+                    self._writer, self._commit, [st for sts, _, _ in batch for st in sts]
                 )
-            except sqlite3.Error as e:
-                err = CatalogError(f"catalog {self.path}: write failed: {e}")
-                for _, fut in batch:
+            except CatalogError as e:
+                for _, what, fut in batch:
                     if not fut.done():
-                        fut.set_exception(err)
+                        fut.set_exception(_named(e, what))
                 continue
-            for _, fut in batch:
+            for _, _, fut in batch:
                 if not fut.done():
                     fut.set_result(None)
 
-    def _commit(self, batch: list[tuple[str, tuple[Any, ...]]]) -> None:
-        try:
-            self._wdb.execute("BEGIN IMMEDIATE")
-            for sql, args in batch:
-                self._wdb.execute(sql, args)
-            self._wdb.execute("COMMIT")
-        except sqlite3.Error:
-            try:
-                self._wdb.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-            raise
+    def _commit(self, batch: Sequence[Statement]) -> None:
+        self.backend.transact(batch)
 
     # -- writes: a save's life ---------------------------------------------------------
     async def record_attempt(self, job: str, attempt: str, generation: int) -> None:
         await self._write(
-            (
+            Sql(
                 "INSERT INTO attempts (job, attempt, generation) VALUES (?, ?, ?)",
                 (job, attempt, generation),
-            )
+            ),
+            what=f"job {job!r} attempt {attempt!r}",
         )
 
     async def set_generation(self, job: str, generation: int) -> None:
         """The job's newest generation (fencing: older ones are refused from now on)."""
-        await self._write((_SET_GENERATION, (job, generation)))
+        await self._write(_set_generation(job, generation), what=f"job {job!r}")
 
     async def record_begin(
         self,
@@ -337,11 +231,21 @@ class Catalog:
     ) -> None:
         """A new save, OPEN (replacing an earlier generation's row of the step)."""
         await self._write(
-            (
-                "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, "
-                "created_unix, keep_last, parent) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (job, step, generation, world_size, OPEN, now(), keep_last, parent),
-            )
+            Replace(
+                "saves",
+                ("job", "step"),
+                dict(
+                    job=job,
+                    step=step,
+                    generation=generation,
+                    world_size=world_size,
+                    status=OPEN,
+                    created_unix=now(),
+                    keep_last=keep_last,
+                    parent=parent,
+                ),
+            ),
+            what=_what(job, step),
         )
 
     async def record_draft(
@@ -349,10 +253,11 @@ class Catalog:
     ) -> None:
         """The manifest's draft (merged state, metadata), once the plan is made."""
         await self._write(
-            (
+            Sql(
                 "UPDATE saves SET draft=? WHERE job=? AND step=? AND generation=?",
                 (json.dumps(draft), job, step, generation),
-            )
+            ),
+            what=_what(job, step),
         )
 
     async def record_reports(self, rows: Sequence[tuple[str, int, int, int, ShardReport]]) -> None:
@@ -364,19 +269,32 @@ class Catalog:
         for job, step, gen, rank, rep in rows:
             batches.setdefault((job, step, gen), []).append((rank, rep))
         if batches:
+            (job, step, _), *_ = batches
             await self._write(
                 *(
-                    (_RECORD_BATCH, (*save, min(r for r, _ in got), _reports_json(got)))
+                    Replace(
+                        "batch_reports",
+                        ("job", "step", "generation", "first_rank"),
+                        dict(
+                            job=save[0],
+                            step=save[1],
+                            generation=save[2],
+                            first_rank=min(r for r, _ in got),
+                            reports=_reports_json(got),
+                        ),
+                    )
                     for save, got in batches.items()
-                )
+                ),
+                what=_what(job, step) + " (shard reports)",
             )
 
     async def mark_committing(self, job: str, step: int, generation: int) -> None:
         await self._write(
-            (
+            Sql(
                 "UPDATE saves SET status=? WHERE job=? AND step=? AND generation=?",
                 (COMMITTING, job, step, generation),
-            )
+            ),
+            what=_what(job, step),
         )
 
     async def mark_committed(
@@ -390,30 +308,33 @@ class Catalog:
     ) -> None:
         """The manifest is written: COMMITTED; the draft and the reports are done with."""
         await self._write(
-            (
+            Sql(
                 "UPDATE saves SET status=?, reason=?, committed_unix=?, manifest_blake3=?, "
                 "bytes=?, draft=NULL WHERE job=? AND step=? AND generation=?",
                 (COMMITTED, reason, now(), manifest_blake3, nbytes, job, step, generation),
             ),
             *_forget_reports(job, step, generation),
+            what=_what(job, step),
         )
 
     async def mark_aborted(self, job: str, step: int, generation: int, reason: str) -> None:
         await self._write(
-            (
+            Sql(
                 "UPDATE saves SET status=?, reason=?, draft=NULL "
                 "WHERE job=? AND step=? AND generation=?",
                 (ABORTED, reason[:4000], job, step, generation),
             ),
             *_forget_reports(job, step, generation),
+            what=_what(job, step),
         )
 
     async def mark_quarantined(self, job: str, step: int, reason: str) -> None:
         await self._write(
-            (
+            Sql(
                 "UPDATE saves SET status=?, reason=? WHERE job=? AND step=?",
                 (QUARANTINED, reason, job, step),
-            )
+            ),
+            what=_what(job, step),
         )
 
     # -- writes: tiers and retention ---------------------------------------------------
@@ -421,28 +342,40 @@ class Catalog:
         self, job: str, step: int, tier: str, url: str, status: str, reason: str = ""
     ) -> None:
         """What a tier holds of a step; REMOVED deletes the row."""
+        what = f"{_what(job, step)} tier {tier!r}"
         if status == TIER_REMOVED:
             await self._write(
-                ("DELETE FROM tiers WHERE job=? AND step=? AND tier=?", (job, step, tier))
+                Sql("DELETE FROM tiers WHERE job=? AND step=? AND tier=?", (job, step, tier)),
+                what=what,
             )
             return
         await self._write(
-            (
-                "INSERT OR REPLACE INTO tiers (job, step, tier, url, status, reason, "
-                "updated_unix) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (job, step, tier, url, status, reason[:4000], now()),
-            )
+            Replace(
+                "tiers",
+                ("job", "step", "tier"),
+                dict(
+                    job=job,
+                    step=step,
+                    tier=tier,
+                    url=url,
+                    status=status,
+                    reason=reason[:4000],
+                    updated_unix=now(),
+                ),
+            ),
+            what=what,
         )
 
     async def add_retiring(self, job: str, step: int) -> None:
         """Listed before retention removes anything of the step: a restart finishes it."""
-        await self._write(("INSERT OR IGNORE INTO retiring (job, step) VALUES (?, ?)", (job, step)))
+        await self._write(InsertIgnore("retiring", dict(job=job, step=step)), what=_what(job, step))
 
     async def forget_retired(self, job: str, step: int) -> None:
         """The step is gone from storage: its rows go, in one transaction."""
         await self._write(
-            ("DELETE FROM saves WHERE job=? AND step=?", (job, step)),
-            ("DELETE FROM retiring WHERE job=? AND step=?", (job, step)),
+            Sql("DELETE FROM saves WHERE job=? AND step=?", (job, step)),
+            Sql("DELETE FROM retiring WHERE job=? AND step=?", (job, step)),
+            what=_what(job, step),
         )
 
     # -- writes: a rebuild from storage (synchronous; no write may be in flight) --------
@@ -450,50 +383,52 @@ class Catalog:
         """A job found on storage: its steps as storage describes them and, when newer than
         the catalog's, its newest generation, in one transaction (a job of 10,000 steps
         costs one fsync, not 10,000)."""
-        self._commit(
-            [
-                (
-                    "INSERT OR REPLACE INTO saves (job, step, generation, world_size, status, "
-                    "reason, bytes, created_unix, committed_unix, manifest_blake3, parent) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        rec.job,
-                        rec.step,
-                        rec.generation,
-                        rec.world_size,
-                        rec.status,
-                        rec.reason,
-                        rec.bytes,
-                        rec.created_unix,
-                        rec.committed_unix,
-                        rec.manifest_blake3,
-                        rec.parent,
-                    ),
-                )
-                for rec in saves
-            ]
-            + ([(_SET_GENERATION, (job, generation))] if generation is not None else [])
-        )
+        try:
+            self._commit(
+                [
+                    Replace(
+                        "saves",
+                        ("job", "step"),
+                        dict(
+                            job=rec.job,
+                            step=rec.step,
+                            generation=rec.generation,
+                            world_size=rec.world_size,
+                            status=rec.status,
+                            reason=rec.reason,
+                            bytes=rec.bytes,
+                            created_unix=rec.created_unix,
+                            committed_unix=rec.committed_unix,
+                            manifest_blake3=rec.manifest_blake3,
+                            parent=rec.parent,
+                        ),
+                    )
+                    for rec in saves
+                ]
+                + ([_set_generation(job, generation)] if generation is not None else [])
+            )
+        except CatalogError as e:
+            raise _named(e, f"job {job!r} (rebuilding its rows from storage)") from None
 
     # -- queries -----------------------------------------------------------------------
     def generation(self, job: str) -> int | None:
-        row = self.db.execute("SELECT generation FROM jobs WHERE job=?", (job,)).fetchone()
-        return None if row is None else int(row[0])
+        rows = self.backend.query("SELECT generation FROM jobs WHERE job=?", (job,))
+        return None if not rows else int(rows[0][0])
 
     def attempt_generation(self, job: str, attempt: str) -> int | None:
-        row = self.db.execute(
+        rows = self.backend.query(
             "SELECT generation FROM attempts WHERE job=? AND attempt=?", (job, attempt)
-        ).fetchone()
-        return None if row is None else int(row[0])
+        )
+        return None if not rows else int(rows[0][0])
 
     def save(self, job: str, step: int) -> SaveRecord | None:
-        row = self.db.execute(
+        rows = self.backend.query(
             "SELECT job, step, generation, world_size, status, reason, bytes, created_unix, "
             "committed_unix, manifest_blake3, draft, keep_last, parent FROM saves "
             "WHERE job=? AND step=?",
             (job, step),
-        ).fetchone()
-        return None if row is None else SaveRecord(*row)
+        )
+        return None if not rows else SaveRecord(*rows[0])
 
     def saves(self, job: str | None = None, status: str | None = None) -> list[SaveRecord]:
         sql = (
@@ -510,37 +445,37 @@ class Catalog:
         if cond:
             sql += " WHERE " + " AND ".join(cond)
         sql += " ORDER BY job, step"
-        return [SaveRecord(*r) for r in self.db.execute(sql, args).fetchall()]
+        return [SaveRecord(*r) for r in self.backend.query(sql, args)]
 
     def jobs(self) -> list[str]:
-        rows = self.db.execute(
-            "SELECT DISTINCT job FROM saves UNION SELECT job FROM jobs"
-        ).fetchall()
+        rows = self.backend.query("SELECT DISTINCT job FROM saves UNION SELECT job FROM jobs")
         return sorted(r[0] for r in rows)
 
     def retiring(self) -> list[tuple[str, int]]:
         """(job, step) of each step a retention run began to remove and did not finish."""
-        rows = self.db.execute("SELECT job, step FROM retiring ORDER BY job, step").fetchall()
+        rows = self.backend.query("SELECT job, step FROM retiring ORDER BY job, step")
         return [(job, step) for job, step in rows]
 
     def tiers(self, job: str) -> list[TierRecord]:
-        rows = self.db.execute(
+        rows = self.backend.query(
             "SELECT job, step, tier, url, status, reason, updated_unix FROM tiers WHERE job=? "
             "ORDER BY step, tier",
             (job,),
-        ).fetchall()
+        )
         return [TierRecord(*r) for r in rows]
 
     def reports(self, job: str, step: int, generation: int) -> dict[int, ShardReport]:
         save = (job, step, generation)
         out = {
             int(r): ShardReport(**json.loads(rep))
-            for r, rep in self.db.execute(
+            for r, rep in self.backend.query(
                 "SELECT rank, report FROM reports WHERE job=? AND step=? AND generation=?", save
             )
         }
-        for (batch,) in self.db.execute(
-            "SELECT reports FROM batch_reports WHERE job=? AND step=? AND generation=?", save
+        for (batch,) in self.backend.query(
+            "SELECT reports FROM batch_reports WHERE job=? AND step=? AND generation=? "
+            "ORDER BY first_rank",
+            save,
         ):
             out.update((int(r), ShardReport(**rep)) for r, rep in json.loads(batch))
         return out
@@ -550,12 +485,23 @@ def now() -> float:
     return time.time()
 
 
-_SET_GENERATION = "INSERT OR REPLACE INTO jobs (job, generation) VALUES (?, ?)"
-_RECORD_BATCH = (
-    "INSERT OR REPLACE INTO batch_reports (job, step, generation, first_rank, reports) "
-    "VALUES (?, ?, ?, ?, ?)"
-)
 _REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(ShardReport))
+
+
+def _what(job: str, step: int) -> str:
+    return f"job {job!r} step {step}"
+
+
+def _named(e: CatalogError, what: str) -> CatalogError:
+    """The failure with the save it was recording named first (same class: an unreachable
+    catalog stays CatalogUnavailable, answered UNAVAILABLE)."""
+    if not what:
+        return e
+    return type(e)(f"{what}: {e}")
+
+
+def _set_generation(job: str, generation: int) -> Replace:
+    return Replace("jobs", ("job",), dict(job=job, generation=generation))
 
 
 def _reports_json(reports: Sequence[tuple[int, ShardReport]]) -> str:
@@ -563,9 +509,9 @@ def _reports_json(reports: Sequence[tuple[int, ShardReport]]) -> str:
     return json.dumps([[r, {f: getattr(rep, f) for f in _REPORT_FIELDS}] for r, rep in reports])
 
 
-def _forget_reports(job: str, step: int, generation: int) -> list[tuple[str, tuple[Any, ...]]]:
+def _forget_reports(job: str, step: int, generation: int) -> list[Statement]:
     save = (job, step, generation)
     return [
-        ("DELETE FROM reports WHERE job=? AND step=? AND generation=?", save),
-        ("DELETE FROM batch_reports WHERE job=? AND step=? AND generation=?", save),
+        Sql("DELETE FROM reports WHERE job=? AND step=? AND generation=?", save),
+        Sql("DELETE FROM batch_reports WHERE job=? AND step=? AND generation=?", save),
     ]

@@ -1,14 +1,19 @@
-"""create_server(): the coordinator as a grpc.aio server, with health and reflection."""
+"""create_server(): the coordinator as a grpc.aio server, with health and reflection;
+create_standby_server(): what a standby coordinator serves until it leads."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ckptd.coordinator.core import Coordinator
+from ckptd.errors import CoordinatorUnavailable
+from ckptd.server import errors
 from ckptd.server.auth import TokenAuthInterceptor
 from ckptd.server.guard import CallGuard
 from ckptd.server.servicer import CoordinatorServicer
@@ -44,10 +49,39 @@ async def create_server(
     server.stop(grace)).
     """
     opts = options or ServerOptions()
+    server = _new_server(opts)
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), server)
+    return server, await _start(server, address, opts, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def create_standby_server(
+    address: str, options: ServerOptions | None, why: Callable[[], str]
+) -> tuple[grpc.aio.Server, int]:
+    """A started server for a coordinator standing by (catalog_pg): every Coordinator call
+    is answered UNAVAILABLE with `why()` (who leads, what to do), so a client given several
+    addresses moves on to the next; health says NOT_SERVING. Token and TLS as the real
+    server's. Stop it before create_server binds the same address."""
+    opts = options or ServerOptions()
+    server = _new_server(opts)
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await errors.abort(context, CoordinatorUnavailable(why()))
+
+    class Standby(grpc.GenericRpcHandler):
+        def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+            if details.method.startswith(f"/{SERVICE_NAME}/"):
+                return grpc.unary_unary_rpc_method_handler(refuse)
+            return None
+
+    server.add_generic_rpc_handlers((Standby(),))
+    return server, await _start(server, address, opts, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def _new_server(opts: ServerOptions) -> grpc.aio.Server:
     interceptors: list[grpc.aio.ServerInterceptor] = [CallGuard(opts.max_calls_per_client)]
     if opts.token:
         interceptors.append(TokenAuthInterceptor(opts.token))
-    server = grpc.aio.server(
+    return grpc.aio.server(
         interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", opts.max_message_bytes),
@@ -60,7 +94,11 @@ async def create_server(
         ],
         maximum_concurrent_rpcs=opts.max_concurrent_rpcs,
     )
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), server)
+
+
+async def _start(
+    server: grpc.aio.Server, address: str, opts: ServerOptions, health_status: Any
+) -> int:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -78,6 +116,6 @@ async def create_server(
     if port == 0:
         raise OSError(f"could not bind {address}")
     await server.start()
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    await health_servicer.set(SERVICE_NAME, health_status)
+    await health_servicer.set("", health_status)
+    return port

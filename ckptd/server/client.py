@@ -14,6 +14,14 @@ the lease the coordinator granted): a restart within that window is ridden out, 
 it the ranks' leases have expired, so the save is lost anyway. Every other failure becomes
 the ckptd error the server named in the call's metadata (errors.py), prefixed with job,
 step and rank.
+
+Several addresses ("a:7070,b:7070", as CKPTD_ADDRESS may give them: coordinators on one
+PostgreSQL catalog, one leading and the others standing by) are tried in turn: a call
+answered UNAVAILABLE (a standby says so, a dead leader cannot answer) goes at once to the
+next address, and only after every address was tried does the client back off; the
+address that answered is kept for the calls after it. So does a call whose deadline
+passed (a frozen leader, or one whose host vanished, answers nothing; every call of the
+protocol may be sent again). The retry window is the same.
 """
 
 from __future__ import annotations
@@ -42,6 +50,32 @@ PLAN_PART_CHUNKS = 10_000  # ~1-1.5 MiB per BeginSave part, well under the 4 MiB
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
 
+def parse_addresses(address: str) -> list[str]:
+    """The coordinator addresses in `address` ("host:port", or several, comma-separated)."""
+    out = [a.strip() for a in address.split(",") if a.strip()]
+    if not out:
+        raise CkptError(
+            f"coordinator address {address!r} names no host:port; set CKPTD_ADDRESS (or "
+            "coordinator=, or ckptctl --coordinator) to HOST:PORT, or to several, "
+            "comma-separated (a leader and its standbys)"
+        )
+    return out
+
+
+class _Rotating:
+    """The stub of whichever address is current: `stub.Method(...)` resolves the method
+    when called, so a retry after a switch of address goes to the new one."""
+
+    def __init__(self, client: CoordinatorClient):
+        self._client = client
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return getattr(self._client.current_stub(), name)(*args, **kwargs)
+
+        return call
+
+
 class CoordinatorClient:
     def __init__(
         self,
@@ -55,6 +89,7 @@ class CoordinatorClient:
         connect_retry_s: float = 10.0,
     ):
         self.address = address
+        self.addresses = parse_addresses(address)
         self.tls = root_certificates is not None or client_cert is not None
         opts = [
             ("grpc.max_receive_message_length", 8 << 20),
@@ -67,10 +102,12 @@ class CoordinatorClient:
                 private_key=client_cert[0] if client_cert else None,
                 certificate_chain=client_cert[1] if client_cert else None,
             )
-            self._channel = grpc.secure_channel(address, creds, options=opts)
+            self._channels = [grpc.secure_channel(a, creds, options=opts) for a in self.addresses]
         else:
-            self._channel = grpc.insecure_channel(address, options=opts)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
+            self._channels = [grpc.insecure_channel(a, options=opts) for a in self.addresses]
+        self._stubs = [pb_grpc.CoordinatorStub(c) for c in self._channels]
+        self._current = 0  # the address that answered last
+        self._stub: Any = _Rotating(self)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.call_timeout_s = call_timeout_s
         self.retry_for_s = retry_for_s
@@ -108,7 +145,15 @@ class CoordinatorClient:
         )
 
     def close(self) -> None:
-        self._channel.close()
+        for c in self._channels:
+            c.close()
+
+    def current_stub(self) -> pb_grpc.CoordinatorStub:
+        return self._stubs[self._current]
+
+    @property
+    def current_address(self) -> str:
+        return self.addresses[self._current]
 
     def _call(
         self, what: str, fn: Callable[..., T], request: Any, *, timeout_s: float | None = None
@@ -116,6 +161,7 @@ class CoordinatorClient:
         timeout = timeout_s or self.call_timeout_s
         give_up: float | None = None
         delay = 0.05
+        untried = len(self.addresses) - 1  # addresses left to try before backing off
         while True:
             try:
                 r = fn(request, timeout=timeout, metadata=self._metadata)
@@ -124,11 +170,23 @@ class CoordinatorClient:
             except grpc.RpcError as e:
                 code = e.code()
                 details = e.details() or str(code)
+                if len(self.addresses) > 1:
+                    details = f"{self.current_address}: {details}"
                 # The window opens at the first failure: a barrier wait of minutes that the
                 # coordinator's death cut short gets the whole window to find it again.
-                if code in RETRYABLE:
+                # Given several addresses, a call whose deadline passed goes to the next one
+                # too: a leader that froze (or whose host vanished) answers nothing, and
+                # every call of the protocol may be sent again (as after UNAVAILABLE).
+                several = len(self.addresses) > 1
+                if code in RETRYABLE or (several and code == grpc.StatusCode.DEADLINE_EXCEEDED):
                     if give_up is None:
                         give_up = time.monotonic() + self.retry_window_s()
+                    if several:
+                        self._current = (self._current + 1) % len(self.addresses)
+                        if untried > 0:
+                            untried -= 1
+                            continue
+                        untried = len(self.addresses) - 1
                     if time.monotonic() + delay < give_up:
                         time.sleep(delay * (0.5 + random.random()))  # noqa: S311 - jitter
                         delay = min(delay * 2, 2.0)

@@ -44,6 +44,9 @@ TO_CODE: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (E.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (E.InvalidManifest, grpc.StatusCode.INVALID_ARGUMENT),
     (E.CorruptCheckpoint, grpc.StatusCode.DATA_LOSS),
+    # A standby coordinator, or a catalog that cannot be reached: the client moves on to its
+    # next address (or retries the one it has) for its retry window.
+    (E.CoordinatorUnavailable, grpc.StatusCode.UNAVAILABLE),
     (E.StorageError, grpc.StatusCode.FAILED_PRECONDITION),
     (E.CkptError, grpc.StatusCode.INTERNAL),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
