@@ -30,6 +30,7 @@ from coordinator_fixtures import Serve, ckptctl, read_catalog, step_files, wait_
 from crash_harness import (
     COORDINATOR_POINTS,
     RANK_POINTS,
+    RETENTION_POINTS,
     Job,
     check_invariant,
     committed_on_storage,
@@ -75,7 +76,7 @@ class Soak:
         if who == "coordinator":
             points = list(COORDINATOR_POINTS)
             if len(committed_on_storage(self.fx.job)) < KEEP:  # this commit retires nothing
-                points.remove("coordinator.during_retention")
+                points = [p for p in points if p not in RETENTION_POINTS]
             point = None if timed else rng.choice(points)
             self.ensure_serve(point)
         else:
@@ -126,7 +127,7 @@ class Soak:
         told_ok = [r.outcomes() == ["ok"] for r in ranks]
         proc = self.serve.proc
         assert proc is not None
-        if point == "coordinator.during_retention":  # after the replies: wait for it
+        if point in RETENTION_POINTS:  # after the replies: wait for it
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
         if proc.poll() is not None:

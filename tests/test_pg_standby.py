@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 from coordinator_fixtures import TOKEN, Serve, ckptctl, step_files, wait_for
-from crash_harness import COORDINATOR_POINTS, NODE_POINTS, Job, check_invariant, wait_all
+from crash_harness import (
+    COORDINATOR_POINTS,
+    NODE_POINTS,
+    RETENTION_POINTS,
+    Job,
+    check_invariant,
+    wait_all,
+)
 from pg_server import leading_backend, pg_leader, pg_server, pg_url  # noqa: F401
 
 from ckptd.coordinator.catalog import Catalog
@@ -190,7 +197,7 @@ TAKEOVER_CASES = [
 def test_the_leader_killed_at(
     point: str, protocol: str, fx: Job, pg_url: str, tally, monkeypatch
 ) -> None:
-    retention = point == "coordinator.during_retention"
+    retention = point in RETENTION_POINTS
     old = [1, 2] if retention else [1]
     new = old[-1] + 1
     keep = 2 if retention else None
