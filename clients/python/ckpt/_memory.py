@@ -50,7 +50,7 @@ from ckpt._results import SaveResult
 from ckpt._save_job import SaveJob, SaveOptions
 from ckpt._staging import HostImage
 from ckptd import knobs
-from ckptd.agent.client import AgentClient, AgentStorage
+from ckptd.agent.client import AgentClient, AgentStorage, HeldStorage
 from ckptd.coordinator import planning
 from ckptd.coordinator.types import SaveRef
 from ckptd.errors import CkptError, SaveFailed
@@ -266,13 +266,23 @@ class MemorySaver:
         return self._peers[node]
 
     def tiers(self) -> list[tuple[str, Storage]]:
-        """The memory tiers, nearest first: this node's memory, then the peers'."""
-        out: list[tuple[str, Storage]] = [("memory", self.storage)]
-        for i, node in enumerate(self.ring()):
+        """The memory tiers, nearest first: this node's memory ("memory": the steps this
+        node committed, each file read here when held here, else from its holder), then
+        the other nodes' ("peer": the steps any of them holds, read from them alone, so a
+        bad local copy falls through to theirs). Peers go in ring order from this node's
+        successor, which holds this node's shards."""
+        others: list[Storage] = []
+        for k in range(1, self.nodes):
+            node = (self.node + k) % self.nodes
             try:
-                out.append((f"peer{i or ''}", AgentStorage(self.agent_of(node), node=node)))
+                others.append(AgentStorage(self.agent_of(node), node=node))
             except (CkptError, OSError, RuntimeError) as e:
                 log.warning("memory tier: node %d's agent is unknown (%s); skipping it", node, e)
+        out: list[tuple[str, Storage]] = [
+            ("memory", HeldStorage([self.storage, *others], listed=1, url=self.storage.url))
+        ]
+        if others:
+            out.append(("peer", HeldStorage(others)))
         return out
 
     # -- save ----------------------------------------------------------------------------
