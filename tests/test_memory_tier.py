@@ -1,5 +1,6 @@
-"""The in-memory tier with real processes: four gloo ranks as two nodes, each node with
-its own shared-memory directory and its own `ckptd agent` (ckpt._memory, ckptd.agent)."""
+"""The in-memory tier with real processes: four gloo ranks as two nodes (and three as a
+ring of three nodes), each node with its own shared-memory directory and its own `ckptd
+agent` (ckpt._memory, ckptd.agent); the coordinator commits each memory step."""
 
 from __future__ import annotations
 

@@ -59,6 +59,7 @@ log = logging.getLogger("ckptd.coordinator")
 TIER = "memory"
 PHASES = ("join", "alive", "held", "await", "abort")
 MAX_FINISHED = 64
+MAX_AWAIT_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,7 @@ class MemoryReport:
                 parent=None if parent is None else int(parent),
                 url=str(doc.get("url", ""))[:1000],
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise InvalidRequest(f"{where}: a bad memory report ({e!r})") from None
         if not isinstance(metadata, dict):
             raise InvalidRequest(f"{where}: metadata must be a JSON object")
@@ -194,7 +195,7 @@ def decide(s: MemorySave) -> tuple[Manifest | None, str, list[int]]:
     block, align = sizes.pop()
     try:
         state = planning.merge_states({r: rep.state for r, rep in s.reports.items()})
-    except (CkptError, ValueError, TypeError) as e:
+    except (CkptError, ValueError, TypeError, RecursionError) as e:
         return None, f"the ranks' state trees cannot be combined: {e}", []
     m = Manifest(
         job=s.job,
@@ -283,8 +284,10 @@ class MemoryCommits:
             if len(s.reports) == s.world_size:
                 await self._decide_memory(s)
         elif phase == "await":
-            try:
-                await asyncio.wait_for(asyncio.shield(s.done), max(0.0, timeout_s))
+            try:  # in slices: the client asks again (a dead coordinator is noticed soon)
+                await asyncio.wait_for(
+                    asyncio.shield(s.done), min(max(0.0, timeout_s), MAX_AWAIT_S)
+                )
             except TimeoutError:
                 pass
         return s.answer()

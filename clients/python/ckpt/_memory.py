@@ -1,23 +1,26 @@
 """The in-memory tier: checkpoints held in each node's shared memory and on a peer node.
 
 A memory save (`MemorySaver.save`) stages the state like any save (its own host image),
-then in the background: hashes every block; the ranks exchange their plans through the
-process group's store and each runs the coordinator's dedup (ckptd.coordinator.planning,
-the same rule as a persistent save) to know what it writes; it writes its packed shard
-and index straight into its node's shared-memory root (ckpt._save_job, the shard writer
-as for storage); the node's agent checks every block against the index, then sends the
-shard to the agent of the next `replicas` nodes of the ring, which check it again on
-arrival. Rank 0 commits the step when every shard is held on at least two nodes (or on
-every node, when the job has fewer) with the same index digest: it writes the manifest to
-every agent that holds all the shards, and records the "memory" tier in the coordinator's
-catalog (RecordTier). A memory save that is busy, refused (the agent's budget) or fails
-is logged and reported in its PendingSave; it never raises into training, and persistent
+then in the background: joins the memory save at the coordinator (ckpt._protocol's
+MemoryRankSave: the MemorySave RPC, leased); hashes every block; the ranks exchange their
+plans through the process group's store and each runs the coordinator's dedup
+(ckptd.coordinator.planning, the same rule as a persistent save) to know what it writes;
+it writes its packed shard and index straight into its node's shared-memory root
+(ckpt._save_job, the shard writer as for storage); the node's agent checks every block
+against the index, then sends the shard to the agents of the next `replicas` nodes of the
+ring, which check it again on arrival, each answering with the index digest it computed.
+The rank reports that to the coordinator, which commits the step when every shard is held
+on at least two nodes with agreeing digests (ckptd.coordinator.memory), records the
+"memory" tier in the catalog and answers with the manifest; each rank writes it into its
+own node's agent. A memory save that is busy, refused (the agent's budget) or fails is
+logged and reported in its PendingSave; it never raises into training, and persistent
 saves are independent of it.
 
-Restore reads this node's root directly ("memory": a LocalStorage over the shared
-memory) and the ring's holders of this node's shards through their agents ("peer":
-ckptd.agent.client.AgentStorage); the load policy (ckpt._load) treats them as the
-nearest tiers, so every byte is verified and a bad copy falls through to the next.
+Restore reads this node's root directly ("memory": the steps it committed, each file from
+here when held here, else from the ring node holding it) and the other nodes' agents
+("peer"), both through ckptd.agent.client.HeldStorage; the load policy (ckpt._load)
+treats them as the nearest tiers, so every byte is verified and a bad copy falls through
+to the next.
 
 The agent: the node's first rank starts `ckptd agent` (under a lock file in the root)
 when none answers, detached so it outlives the ranks; Slurm or Kubernetes may start it
