@@ -228,9 +228,6 @@ class MemoryCommits:
     def _check_ref(self, ref: SaveRef) -> str:
         raise NotImplementedError
 
-    def _spawn(self, coro: Any) -> None:
-        raise NotImplementedError
-
     async def memory_save(
         self,
         ref: SaveRef,
@@ -313,6 +310,7 @@ class MemoryCommits:
         while len(ended) > MAX_FINISHED:
             del ended[next(iter(ended))]
         url = next((r.url for r in s.reports.values() if r.url), "agent://")
+        s.reports = {}  # the states can be large; the answer is the manifest
         tier_status = TIER_HELD if status == COMMITTED else TIER_FAILED
         try:
             await self.catalog.record_tier(s.job, s.step, TIER, url, tier_status, reason)
