@@ -28,6 +28,7 @@ import shutil
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,14 +44,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank(rank: int, port: int, job: str, shm: str, out: str, mode: str, gib: float) -> None:
+def _rank(
+    rank: int, port: int, job: str, shm: str, out: str, mode: str, gib: float, opts: dict
+) -> None:
+    world = opts.get("world", WORLD)
+    per_node = world // 2
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank % 2),
-        LOCAL_WORLD_SIZE=str(WORLD),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % per_node),
+        LOCAL_WORLD_SIZE=str(world),
         OMP_NUM_THREADS="1",
         CKPTD_AGENT_HOST="127.0.0.1",
     )
@@ -59,7 +64,7 @@ def _rank(rank: int, port: int, job: str, shm: str, out: str, mode: str, gib: fl
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     res: dict[str, Any] = {"rank": rank}
     if mode == "floor":
         dist.barrier()  # rank 0 hosts the store: nobody leaves before all have joined
@@ -74,15 +79,20 @@ def _rank(rank: int, port: int, job: str, shm: str, out: str, mode: str, gib: fl
         level=logging.INFO if os.environ.get("BENCH_LOG") else logging.WARNING,
         format=f"%(asctime)s rank{rank} %(name)s %(message)s",
     )
-    node = rank // 2
-    n = int(gib * (1 << 30) / 2 / 4)
+    node = rank // per_node
+    n = int(gib * (1 << 30) / per_node / 4)
     g = torch.Generator().manual_seed(rank)
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", (world,))
     state = {"w": DTensor.from_local(torch.rand(n, generator=g), mesh, [Shard(0)], run_check=False)}
     tier = ckpt.MemoryTier(
         every=1, root=f"{shm}/node{node}", node=node, nodes=2, max_steps=2, timeout_s=600
     )
     cp = ckpt.Checkpointer(job, memory=tier, timeout_s=600)
+    if mode == "sweep":
+        res["phases"] = _sweep(cp, state, opts)
+        _write(out, rank, res)
+        cp.close()
+        os._exit(0)
     if mode == "train":
         saves: list[dict[str, Any]] = []
         for step in range(1, 9):
@@ -112,12 +122,83 @@ def _rank(rank: int, port: int, job: str, shm: str, out: str, mode: str, gib: fl
     os._exit(0)
 
 
+def _sweep(cp: Any, state: dict[str, Any], opts: dict) -> list[dict[str, Any]]:
+    """Baseline and memory-save phases (the module docstring); each phase's step times."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    c = torch.empty(256, 256)
+    tiny = torch.zeros(1)
+    mms = 1
+
+    def step() -> None:
+        for _ in range(mms):
+            torch.mm(a, a, out=c)
+        state["w"].to_local()[:1024].mul_(0.999)
+        dist.all_reduce(tiny)
+
+    # Calibrate on rank 0, twice (the second against whole steps); one count everywhere,
+    # so the ranks stay in step.
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            step()
+        per = (time.perf_counter() - t0) / 10 / mms
+        count = torch.tensor([max(1, int(opts["step_ms"] / 1000 / per))])
+        dist.broadcast(count, 0)
+        mms = int(count.item())
+    for _ in range(10):  # warm up
+        step()
+    phases: list[dict[str, Any]] = []
+    n = 0
+    for rep in range(opts["reps"]):
+        for k in opts["every"]:
+            for kind in ("base", "memory"):
+                length = max(opts["base_steps"], 2 * k) if kind == "memory" else opts["base_steps"]
+                dist.barrier()
+                t_phase = time.perf_counter()
+                times, skipped, saves = [], 0, 0
+                for i in range(length):
+                    n += 1
+                    t = time.perf_counter()
+                    step()
+                    if kind == "memory" and i % k == 0:
+                        p = cp.save_memory(state, n)
+                        saves += 1
+                        skipped += int(p.skipped)
+                    times.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                cp._memory.wait()  # a save still placing counts against this phase
+                spill = time.perf_counter() - t
+                dist.barrier()
+                phases.append(
+                    {
+                        "rep": rep,
+                        "k": k,
+                        "kind": kind,
+                        "steps": length,
+                        "saves": saves,
+                        "skipped": skipped,
+                        "step_s": times,
+                        "spill_s": spill,
+                        "wall_s": time.perf_counter() - t_phase,
+                    }
+                )
+    return phases
+
+
 def _write(out: str, rank: int, res: dict[str, Any]) -> None:
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(res, f)
 
 
-def launch(job: str, shm: str, out: Path, mode: str, gib: float) -> tuple[float, list[dict]]:
+def launch(
+    job: str, shm: str, out: Path, mode: str, gib: float, opts: dict | None = None
+) -> tuple[float, list[dict]]:
+    opts = opts or {}
+    world = opts.get("world", WORLD)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -125,16 +206,16 @@ def launch(job: str, shm: str, out: Path, mode: str, gib: float) -> tuple[float,
     port = _free_port()
     t0 = time.time()
     procs = [
-        ctx.Process(target=_rank, args=(r, port, job, shm, str(out), mode, gib))
-        for r in range(WORLD)
+        ctx.Process(target=_rank, args=(r, port, job, shm, str(out), mode, gib, opts))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(900)
+        p.join(1800)
         if p.exitcode != 0:
             raise SystemExit(f"{mode}: a rank failed (exit {p.exitcode})")
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     return max(r.get("first_step_unix", t0) for r in results) - t0, results
 
 
@@ -152,37 +233,58 @@ def med(xs: list[float]) -> str:
     return f"{statistics.median(xs):7.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gib-per-node", type=float, default=0.5)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default="bench/results/tmp-data")
-    args = ap.parse_args()
-    Path(args.dir).mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="memtier-", dir=args.dir))
-    shm = tempfile.mkdtemp(prefix="ckptd-bench-", dir="/dev/shm")
-    job = str(work / "job")
+def machine_load() -> tuple[str, list[str]]:
+    """The load average, and the processes (not this benchmark's) using the most CPU."""
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    mine = {os.getpid()}
     try:
-        floor = [
-            launch(job, shm, work / "out", "floor", args.gib_per_node)[0] for _ in range(args.reps)
-        ]
-        _, train = launch(job, shm, work / "out", "train", args.gib_per_node)
-        rows: dict[str, dict[str, list[float]]] = {}
-        for tier, lost in (("memory", ()), ("peer", (1,)), ("storage", (0, 1))):
-            for _ in range(args.reps):
-                for node in lost:
-                    wipe(shm, node)
-                wall, res = launch(job, shm, work / "out", "recover", args.gib_per_node)
-                r = rows.setdefault(tier, {"wall": [], "resume": [], "tiers": []})
-                r["wall"].append(wall)
-                r["resume"].append(max(x["resume_s"] for x in res))
-                r["tiers"].append(sorted({x["tier"] for x in res}))  # type: ignore[arg-type]
-                r.setdefault("steps", []).append(sorted({x["step"] for x in res}))  # type: ignore[arg-type]
-    finally:
-        for node in (0, 1):
-            wipe(shm, node)
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
+        out = subprocess.run(  # noqa: S603 - fixed arguments
+            ["ps", "-eo", "pid,ppid,pcpu,etime,args", "--sort=-pcpu"],  # noqa: S607
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.splitlines()[1:]
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    top = []
+    for line in out:
+        parts = line.split(None, 4)
+        if len(parts) < 5 or int(parts[1]) in mine or int(parts[0]) in mine:
+            continue
+        if "ckptd-bench-" in parts[4]:
+            continue  # this benchmark's own agents
+        if float(parts[2]) < 5:
+            break
+        top.append(f"{parts[2]}% {parts[4][:110]}")
+        if len(top) == 6:
+            break
+    return " ".join(load), top
+
+
+def say_load(when: str) -> None:
+    load, top = machine_load()
+    print(f"[{time.strftime('%H:%M:%S', time.gmtime())} UTC] load average {load} ({when})")
+    for t in top:
+        print(f"    {t}")
+
+
+def recovery(args: argparse.Namespace, work: Path, shm: str) -> None:
+    job = str(work / "job")
+    floor = [
+        launch(job, shm, work / "out", "floor", args.gib_per_node)[0] for _ in range(args.reps)
+    ]
+    _, train = launch(job, shm, work / "out", "train", args.gib_per_node)
+    rows: dict[str, dict[str, list[Any]]] = {}
+    for tier, lost in (("memory", ()), ("peer", (1,)), ("storage", (0, 1))):
+        for _ in range(args.reps):
+            for node in lost:
+                wipe(shm, node)
+            wall, res = launch(job, shm, work / "out", "recover", args.gib_per_node)
+            r = rows.setdefault(tier, {"wall": [], "resume": [], "tiers": [], "steps": []})
+            r["wall"].append(wall)
+            r["resume"].append(max(x["resume_s"] for x in res))
+            r["tiers"].append(sorted({x["tier"] for x in res}))
+            r["steps"].append(sorted({x["step"] for x in res}))
     gib = args.gib_per_node
     print(f"state {gib:.2f} GiB per node (2 nodes, 4 ranks), {args.reps} reps, median (min-max) s")
     print(f"  start-up floor (4 processes: python, torch, gloo group)  {med(floor)}")
@@ -197,6 +299,89 @@ def main() -> None:
             f"  {kind:10s} save: stall {med([s['stall_s'] for s in saves])}   "
             f"until placed/committed {med([s['total_s'] for s in saves])}   ({len(saves)} rank-saves)"
         )
+
+
+def sweep(args: argparse.Namespace, work: Path, shm: str) -> None:
+    opts = {
+        "world": 2,
+        "reps": args.reps,
+        "every": [int(k) for k in args.every.split(",")],
+        "step_ms": args.step_ms,
+        "base_steps": args.base_steps,
+    }
+    gib = args.sweep_gib_per_node
+    _, res = launch(str(work / "sweep-job"), shm, work / "out", "sweep", gib, opts)
+    phases = res[0]["phases"]  # the ranks are in step: rank 0's view
+    # Each memory phase against the mean of the baseline phases next to it (drift).
+    bases = [(i, p) for i, p in enumerate(phases) if p["kind"] == "base"]
+
+    def mean_step(p: dict[str, Any]) -> float:
+        return (sum(p["step_s"]) + p["spill_s"]) / p["steps"]
+
+    base_all = [mean_step(p) for _, p in bases]
+    print(
+        f"sweep: {gib:.3f} GiB per node (2 nodes of 1 rank), step {args.step_ms:.0f} ms "
+        f"(matmul + all_reduce; measured {statistics.median(base_all) * 1000:.0f} ms, "
+        f"{min(base_all) * 1000:.0f}-{max(base_all) * 1000:.0f}), {args.reps} reps"
+    )
+    print("  every k | slowdown % median (min-max) | cost per save s | saves skipped")
+    best = None
+    costs_all = []
+    for k in opts["every"]:
+        slow, cost, skipped = [], [], 0
+        for i, p in enumerate(phases):
+            if p["kind"] != "memory" or p["k"] != k:
+                continue
+            near = [mean_step(b) for j, b in bases if abs(j - i) <= 1]
+            base = statistics.mean(near)
+            m = mean_step(p)
+            slow.append((m / base - 1) * 100)
+            cost.append((m - base) * p["steps"] / max(1, p["saves"] - p["skipped"]))
+            skipped += p["skipped"]
+        costs_all += cost
+        print(f"  {k:7d} | {med(slow)} | {med(cost)} | {skipped}")
+        if best is None and statistics.median(slow) <= 2.0:
+            best = k
+    step_s = statistics.median(base_all)
+    c = statistics.median(costs_all)
+    print(
+        f"  smallest interval measured under 2%: {best if best is not None else 'none'}; "
+        f"from the cost per save ({c:.2f} s, median of all phases) at this step: "
+        f"every {max(1, int(c / (0.02 * step_s) + 0.999))} steps"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib-per-node", type=float, default=0.5)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", default="bench/results/tmp-data")
+    ap.add_argument("--no-recovery", action="store_true", help="only the sweep")
+    ap.add_argument("--sweep", action="store_true", help="also the every-k sweep")
+    ap.add_argument("--sweep-gib-per-node", type=float, default=0.0625)
+    ap.add_argument("--every", default="5,10,25,50,100")
+    ap.add_argument("--step-ms", type=float, default=100.0)
+    ap.add_argument("--base-steps", type=int, default=40)
+    args = ap.parse_args()
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="memtier-", dir=args.dir))
+    shm = tempfile.mkdtemp(prefix="ckptd-bench-", dir="/dev/shm")
+    try:
+        if not args.no_recovery:
+            say_load("before recovery")
+            recovery(args, work, shm)
+            say_load("after recovery")
+        for node in (0, 1):
+            wipe(shm, node)
+        if args.sweep:
+            say_load("before sweep")
+            sweep(args, work, shm)
+            say_load("after sweep")
+    finally:
+        for node in (0, 1):
+            wipe(shm, node)
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,9 @@ def test_a_shard_is_verified_then_copied_to_the_peer_and_verified_there(agents):
     a, b = agents(0), agents(1)
     shard = write_shard(a, 3, 0, 10_000)
     reply, _ = a.client.call("seal", "t", step=3, shard=shard, replicas=[b.address])
-    assert reply["held_on"] == [0, 1] and reply["failures"] == []
+    assert [h["node"] for h in reply["held"]] == [0, 1] and reply["failures"] == []
+    # Each holder's agent says which index digest it computed: the coordinator commits on it.
+    assert {h["index_blake3"] for h in reply["held"]} == {shard["index_blake3"]}
     peer = AgentStorage(b.client, node=1)
     sdir = layout.step_dir(3)
     assert peer.size(f"{sdir}/{shard['path']}") == shard["size"]

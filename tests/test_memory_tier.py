@@ -1,5 +1,6 @@
-"""The in-memory tier with real processes: four gloo ranks as two nodes, each node with
-its own shared-memory directory and its own `ckptd agent` (ckpt._memory, ckptd.agent)."""
+"""The in-memory tier with real processes: four gloo ranks as two nodes (and three as a
+ring of three nodes), each node with its own shared-memory directory and its own `ckptd
+agent` (ckpt._memory, ckptd.agent); the coordinator commits each memory step."""
 
 from __future__ import annotations
 
@@ -22,14 +23,20 @@ WORLD = 4
 
 
 def run_job(
-    job: Path, out: Path, spec: dict, *, expect_crash: bool = False, timeout: float = 180
+    job: Path,
+    out: Path,
+    spec: dict,
+    *,
+    expect_crash: bool = False,
+    timeout: float = 180,
+    world: int = WORLD,
 ) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [
-        ctx.Process(target=memory_rank.entry, args=(r, WORLD, port, str(job), str(out), spec))
-        for r in range(WORLD)
+        ctx.Process(target=memory_rank.entry, args=(r, world, port, str(job), str(out), spec))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -43,7 +50,7 @@ def run_job(
             p.join(10)
     logs = "\n".join(
         f"--- rank {r}\n{(out / f'rank{r}.log').read_text(errors='replace')[-6000:]}"
-        for r in range(WORLD)
+        for r in range(world)
         if (out / f"rank{r}.log").exists()
     )
     assert not hung, f"ranks {hung} hung:\n{logs}"
@@ -51,8 +58,8 @@ def run_job(
         victim = spec.get("victim", 1)
         assert procs[victim].exitcode == -signal.SIGKILL, logs
         return []
-    assert [p.exitcode for p in procs] == [0] * WORLD, logs
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert [p.exitcode for p in procs] == [0] * world, logs
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for r in results:
         assert "error" not in r, logs
     return results
@@ -74,7 +81,7 @@ def shm(tmp_path: Path):
     d = tmp_path / "shm"
     d.mkdir()
     yield d
-    for node in range(WORLD // 2):
+    for node in range(WORLD):  # as many nodes as ranks at most
         kill_agent(d, node)
 
 
@@ -194,3 +201,37 @@ def test_a_shard_over_the_budget_is_refused_and_training_goes_on(tmp_path, shm, 
             assert all("MemoryBudgetExceeded" in o and "max_bytes=524288" in o for o in outcomes)
             assert r["final"] == 6
         assert (tmp_path / "job" / layout.step_dir(5) / layout.MANIFEST_NAME).exists()
+
+
+@pytest.mark.slow
+def test_a_ring_of_three_nodes_loses_one_and_resumes_bit_identical(tmp_path, shm, tally):
+    # Three nodes of one rank, one replica: node i's shard is on nodes i and i+1, so no
+    # node holds every shard; each rank reads what its node lacks from the holder.
+    spec = spec_for(shm, per_node=1)
+    ref_shm = tmp_path / "shm-ref3"
+    ref_shm.mkdir()
+    try:
+        reference = run_job(
+            tmp_path / "ref3", tmp_path / "ref3-out", {**spec, "shm": str(ref_shm)}, world=3
+        )
+    finally:
+        for node in range(3):
+            kill_agent(ref_shm, node)
+    job = tmp_path / "job"
+    with tally.fault("memory:ring-node-lost"):
+        run_job(
+            job, tmp_path / "out1", {**spec, "crash_at": 7, "victim": 1}, expect_crash=True, world=3
+        )
+        for node in range(3):  # every step of the ring was committed and is held twice
+            held = shm / f"node{node}" / layout.step_dir(6)
+            assert (held / layout.MANIFEST_NAME).exists(), node
+            assert len(list((held / layout.SHARDS_DIR).glob("*.bin"))) == 2, node
+        kill_agent(shm, 1)
+        shutil.rmtree(shm / "node1")  # node 1 replaced: its agent and memory gone
+        results = run_job(job, tmp_path / "out2", spec, world=3)
+        assert [r["resumed"] for r in results] == [6] * 3
+        assert [r["tier"] for r in results] == ["memory", "peer", "memory"]
+        assert [r["digest"] for r in results] == [r["digest"] for r in reference]
+    with sqlite3.connect(job / ".ckptd" / "catalog.sqlite") as db:
+        rows = dict(db.execute("SELECT step, status FROM tiers WHERE tier='memory'").fetchall())
+    assert rows.get(6) == "HELD", rows

@@ -38,10 +38,11 @@ pytestmark = pytest.mark.timeout(180)
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"]
 METHODS = [m.name for m in SERVICE.methods]
 MD = (("authorization", f"Bearer {TOKEN}"),)
-# BeginSave waits at the barrier for the other ranks and AwaitCommit for the commit: for
+# BeginSave waits at the barrier for the other ranks, AwaitCommit (and MemorySave's
+# "await" phase) for the commit: for
 # them (only) running into the client's deadline is the expected outcome of a plan that
 # is valid but incomplete. Every other RPC answers at once.
-BLOCKING = {"BeginSave": 1.5, "BeginSaveNode": 1.5, "AwaitCommit": 1.5}
+BLOCKING = {"BeginSave": 1.5, "BeginSaveNode": 1.5, "AwaitCommit": 1.5, "MemorySave": 1.5}
 DEADLINE_S = 10.0
 # What a refusal may look like: ckptd's error map (ckptd/server/errors.py), and gRPC's own
 # RESOURCE_EXHAUSTED for oversize. INTERNAL and UNKNOWN mean an unexpected exception.
@@ -298,6 +299,29 @@ def _valid(method: str, job: str) -> Message:
         "Quarantine": lambda: pb.QuarantineRequest(job=job, step=1, reason="x"),
         "RecordTier": lambda: pb.RecordTierRequest(
             job=job, step=1, tier="mirror", url="s3://bucket/job", status="HELD"
+        ),
+        "MemorySave": lambda: pb.MemorySaveRequest(
+            ref=ref,
+            phase="held",
+            report=json.dumps(
+                {
+                    "shard": {
+                        "rank": 0,
+                        "path": "shards/rank-00000.bin",
+                        "size": 4096,
+                        "index": "shards/rank-00000.json",
+                        "index_size": 100,
+                        "index_blake3": "0" * 64,
+                    },
+                    "held": [{"node": 0, "index_blake3": "0" * 64}],
+                    "node": 0,
+                    "nodes": 1,
+                    "copies": 1,
+                    "block_size": 1 << 20,
+                    "alignment": 4096,
+                    "state": {"tensor": "w"},
+                }
+            ).encode(),
         ),
     }[method]()
 

@@ -5,6 +5,8 @@
 policy reads another node's memory through (the "peer" tier): every read is a request to
 that node's agent, and every byte read is then verified like any stored byte. Its only
 write is a step's QUARANTINED.json (a load that found the copy damaged marks it).
+`HeldStorage` reads a memory step's files from whichever node of the ring holds each one
+(this node's memory first), so a ring of more nodes than copies loads too.
 """
 
 from __future__ import annotations
@@ -168,3 +170,84 @@ class _AgentRead(ReadHandle):
 
     def close(self) -> None:
         pass
+
+
+class HeldStorage(Storage):
+    """A memory step's files wherever the ring holds them (the load policy's "memory" and
+    "peer" tiers).
+
+    A ring of more nodes than copies spreads a step's shards: a node holds its own and its
+    ring predecessors', and a rank may need another's (a replicated tensor written once, a
+    resharded load). `members` are storages nearest first (this node's shared memory, then
+    the peers' agents in ring order); each file is read from the first member that holds
+    it, and a member that cannot be reached (its node is gone) is skipped. The root lists
+    the `listed` members' steps (this node's memory: its own commits; the peers' tier: the
+    union of theirs). A damaged copy fails verification like any stored byte; its
+    QUARANTINED.json goes to the first member holding the step, which marks the step in
+    this tier (any member's marker does).
+    """
+
+    def __init__(self, members: list[Storage], *, listed: int | None = None, url: str = ""):
+        if not members:
+            raise ValueError("HeldStorage needs at least one member")
+        self.members = members
+        self.listed = members[: listed if listed is not None else len(members)]
+        self.url = url or "+".join(m.url for m in members)
+
+    def _holder(self, path: str) -> Storage:
+        for m in self.members:
+            try:
+                if m.exists(path):
+                    return m
+            except (CkptError, OSError):
+                continue  # that node is gone or refuses: the next holder
+        return self.members[0]  # nobody holds it: the nearest member says so, its own way
+
+    def listdir(self, path: str) -> list[str]:
+        names: set[str] = set()
+        errors: list[BaseException] = []
+        for m in self.listed if path == "" else self.members:
+            try:
+                names.update(m.listdir(path))
+            except (CkptError, OSError) as e:
+                errors.append(e)
+        if errors and len(errors) == len(self.listed if path == "" else self.members):
+            raise errors[0]
+        return sorted(names)
+
+    def exists(self, path: str) -> bool:
+        return self._holder(path).exists(path)
+
+    def size(self, path: str) -> int:
+        return self._holder(path).size(path)
+
+    def read_bytes(self, path: str, *, limit: int) -> bytes:
+        return self._holder(path).read_bytes(path, limit=limit)
+
+    def open_read(self, path: str, *, cold: bool = False) -> ReadHandle:
+        return self._holder(path).open_read(path, cold=cold)
+
+    def local_path(self, path: str) -> str | None:
+        return self._holder(path).local_path(path)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        step = path.split("/", 1)[0]
+        self._holder(step).write_atomic(path, data)
+
+    def makedirs(self, path: str) -> None:
+        raise CkptError(f"{self.url}/{path}: memory is written by the agents only")
+
+    def open_write(
+        self, path: str, size: int, *, preallocate: bool = False, reuse: str | None = None
+    ) -> WriteHandle:
+        raise CkptError(f"{self.url}/{path}: memory is written by the agents only")
+
+    def remove_tree(self, path: str) -> None:
+        raise CkptError(f"{self.url}/{path}: memory is evicted by the agents only")
+
+    def rename(self, src: str, dst: str) -> None:
+        raise CkptError(f"{self.url}/{src}: memory is written by the agents only")
+
+    @property
+    def supports_reuse(self) -> bool:
+        return False

@@ -177,20 +177,21 @@ class Holdings:
             key = (step, self._in_step(step, files[0]) if files else layout.step_dir(step))
             self._reserved.pop(key, None)
 
-    def seal(self, header: dict[str, Any]) -> ShardInfo:
-        """Check a shard a rank wrote in place: its index's digest, every block."""
+    def seal(self, header: dict[str, Any]) -> tuple[ShardInfo, str]:
+        """Check a shard a rank wrote in place: its index's digest, every block; returns
+        the shard and the index digest computed here."""
         step, shard = self._shard_of(header)
         try:
-            self._verify(step, shard)
+            digest = self._verify(step, shard)
         except BaseException:
             self._remove(step, shard)
             raise
         finally:
             self.release(step, [shard.path, shard.index])
-        return shard
+        return shard, digest
 
     # -- another node's agent sends a shard ---------------------------------------------
-    def receive(self, sock: socket.socket, header: dict[str, Any]) -> ShardInfo:
+    def receive(self, sock: socket.socket, header: dict[str, Any]) -> tuple[ShardInfo, str]:
         """Write the shard and index that follow the header, then check them like seal."""
         step, shard = self._shard_of(header)
         if header["nbytes"] != shard.size + shard.index_size:
@@ -215,18 +216,21 @@ class Holdings:
                                 view.release()
                 finally:
                     os.close(fd)
-            self._verify(step, shard)
+            digest = self._verify(step, shard)
         except BaseException:
             self._remove(step, shard)
             raise
         finally:
             self.release(step, [shard.path, shard.index])
-        return shard
+        return shard, digest
 
     # -- the memory commit ----------------------------------------------------------------
     def commit(self, data: bytes) -> list[int]:
-        """Write the memory commit's manifest when every shard it names is held here;
-        returns the ranks whose shards are missing (then nothing is written)."""
+        """Write the manifest of a step the coordinator committed (every shard is held on
+        enough nodes, not all on this one: a ring of more nodes than copies spreads them,
+        and a load reads the others from their holders, ckptd.agent.client.HeldStorage).
+        Returns the ranks whose shards are not held here; nothing is written when this
+        agent holds none of the step."""
         m = parse_manifest(data, what="memory commit MANIFEST.json")
         sdir = layout.step_dir(m.step)
         with self._lock:
@@ -238,18 +242,20 @@ class Holdings:
                         missing.append(s.rank)
                 except CkptError:
                     missing.append(s.rank)
-            if missing:
+            if len(missing) == len(m.shards):
                 return missing
             mpath = f"{sdir}/{layout.MANIFEST_NAME}"
             if self.storage.exists(mpath):
                 if self.storage.read_bytes(mpath, limit=len(data) + 1) == data:
-                    return []
+                    return missing
                 self.storage.remove_tree(mpath)
-            ckfmt.commit(self.storage, m)
+            # The coordinator's bytes, as they are (their digest is the one it recorded);
+            # the shards not held here are read from their holders.
+            self.storage.create_only(mpath, data)
             # A commit makes this the newest committed step: older ones over the step
             # budget may go now.
             self._make_room(m.step, 0, f"step {m.step} commit")
-        return []
+        return missing
 
     def drop(self, step: int) -> None:
         with self._lock:
@@ -281,13 +287,14 @@ class Holdings:
             raise InvalidRequest(f"step {step} rank {shard.rank}: not a shard ({shard.path})")
         return step, shard
 
-    def _verify(self, step: int, shard: ShardInfo) -> None:
+    def _verify(self, step: int, shard: ShardInfo) -> str:
         """The index is the one the rank reported (its digest), and every block of the
         shard hashes to what the index says: the hashes computed at save travel with it."""
         sdir = layout.step_dir(step)
         where = f"memory agent node {self.node} step {step} rank {shard.rank}"
         data = self.storage.read_bytes(f"{sdir}/{shard.index}", limit=MAX_INDEX_BYTES)
-        if hashing.digest(data) != shard.index_blake3:
+        digest = hashing.digest(data)
+        if digest != shard.index_blake3:
             raise HashMismatch(
                 f"{where}: index {shard.index} does not hash to the digest the rank reported"
             )
@@ -314,6 +321,7 @@ class Holdings:
                 f"{where}: {len(problems)} block(s) do not match the hashes computed at save "
                 f"(first: {problems[0]}); the copy is refused"
             )
+        return digest
 
     def _remove(self, step: int, shard: ShardInfo) -> None:
         for name, _ in self.shard_files(step, shard):

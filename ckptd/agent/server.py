@@ -9,7 +9,9 @@ Operations: ping; prepare / seal (a rank of this node writes its shard in place,
 agent checks it and sends it on to the peer agents the rank names: `replicas`);
 put (a peer's copy arrives); commit (the memory commit's manifest); usage; drop; and the
 reads a Storage needs (listdir, exists, size, read, write_atomic), so another node's
-ranks can read what this agent holds (ckptd.agent.client.AgentStorage).
+ranks can read what this agent holds (ckptd.agent.client.AgentStorage). seal answers
+with the nodes now holding the shard and the index digest each one's agent computed: what
+the rank reports to the coordinator, which commits on it (ckptd.coordinator.memory).
 """
 
 from __future__ import annotations
@@ -129,11 +131,12 @@ class _Handler(socketserver.BaseRequestHandler):
             hold.release(int(h["step"]), [str(f) for f in h["files"]])
             return {}, [], True
         if op == "seal":
-            shard = hold.seal(h)
-            held, failures = [hold.node], []
+            shard, digest = hold.seal(h)
+            held, failures = [{"node": hold.node, "index_blake3": digest}], []
             for peer in h.get("replicas", []):
                 try:
-                    held.append(_replicate(self.server, int(h["step"]), h["shard"], str(peer)))
+                    node, got = _replicate(self.server, int(h["step"]), h["shard"], str(peer))
+                    held.append({"node": node, "index_blake3": got})
                 except (CkptError, OSError) as e:
                     failures.append(f"{peer}: {e}")
                     log.error(
@@ -144,10 +147,11 @@ class _Handler(socketserver.BaseRequestHandler):
                         peer,
                         e,
                     )
-            return {"held_on": held, "failures": failures}, [], True
+            # What each holder's agent computed: the coordinator commits on these.
+            return {"held": held, "failures": failures}, [], True
         if op == "put":
-            hold.receive(sock, h)
-            return {"node": hold.node}, [], True
+            _, digest = hold.receive(sock, h)
+            return {"node": hold.node, "index_blake3": digest}, [], True
         if op == "commit":
             data = wire.recv_payload(sock, h, MAX_SMALL)
             return {"missing": hold.commit(data)}, [], True
@@ -195,8 +199,9 @@ def _read(st: Any, path: str, off: int, n: int) -> Any:
         return memoryview(buf)[:got]
 
 
-def _replicate(server: AgentServer, step: int, shard: dict[str, Any], peer: str) -> int:
-    """Send a sealed shard and its index to a peer agent; returns the peer's node."""
+def _replicate(server: AgentServer, step: int, shard: dict[str, Any], peer: str) -> tuple[int, str]:
+    """Send a sealed shard and its index to a peer agent; returns the peer's node and the
+    index digest it computed."""
     hold = server.holdings
     files = [
         hold.storage.full(f"{layout.step_dir(step)}/{shard['path']}"),
@@ -230,4 +235,4 @@ def _replicate(server: AgentServer, step: int, shard: dict[str, Any], peer: str)
         if reply is None:
             raise ConnectionError(f"memory agent {peer} closed the connection")
         wire.raise_for(reply, f"memory agent {peer} step {step} rank {shard.get('rank')}")
-        return int(reply["node"])
+        return int(reply["node"]), str(reply["index_blake3"])

@@ -31,6 +31,7 @@ from typing import Any
 from ckptd.coordinator import layouts, planning, retention
 from ckptd.coordinator import observer as obs
 from ckptd.coordinator.catalog import Catalog, SaveRecord
+from ckptd.coordinator.memory import MemoryCommits, MemorySave
 from ckptd.coordinator.nodes import Nodes
 from ckptd.coordinator.queries import Queries
 from ckptd.coordinator.recovery import Recovery, Skipped
@@ -80,7 +81,7 @@ MAX_FINISHED_SAVES = 256
 MAX_FINISHED_RANKS = 32_768
 
 
-class Coordinator(Recovery, Queries, Reports, Nodes):
+class Coordinator(Recovery, Queries, Reports, Nodes, MemoryCommits):
     """Transport-free coordinator over one storage root."""
 
     def __init__(
@@ -112,6 +113,8 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
         self.sessions: dict[tuple[str, int], Session] = {}
         # job -> (step, saved_unix) -> the steps its manifest borrows from (retention).
         self._borrows: dict[str, dict[tuple[int, float], tuple[int, ...]]] = {}
+        self.memory_saves: dict[tuple[str, int], MemorySave] = {}  # memory.py
+        self.memory_ended: dict[tuple[str, int, int], MemorySave] = {}
         self.layouts = layouts.LayoutCache()  # the ranks' plan layouts, for cached plans
         self.report_checks = ReportChecks()  # storage checks of reports arriving together
         self._watchdog: asyncio.Task[None] | None = None
@@ -585,6 +588,7 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
                     await self._abort(
                         s, f"superseded by generation {generation} (the job restarted)"
                     )
+            await self._fence_memory(job, generation)
 
     async def _abort(
         self,
@@ -657,6 +661,7 @@ class Coordinator(Recovery, Queries, Reports, Nodes):
                 reason = s.overdue(t, self.lease_s)
                 if reason is not None:
                     await self._abort(s, reason)
+            await self._memory_overdue(t)
 
     async def _retention(self, job: str, keep_last: int, committed: int) -> None:
         """Carry out the job's retention plan (ckptd.coordinator.retention, the one rule).

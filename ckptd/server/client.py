@@ -389,6 +389,30 @@ class CoordinatorClient:
         )
         self._call(f"job {job!r} step {step} tier {tier}", self._stub.RecordTier, req)
 
+    def memory_save(
+        self,
+        ref: SaveRef,
+        phase: str,
+        report: dict[str, Any] | None = None,
+        *,
+        timeout_s: float = 0.0,
+        reason: str = "",
+    ) -> tuple[StatusResult, bytes]:
+        """One phase of a rank's memory save (ckptd.coordinator.memory): its status, and
+        the step's manifest once COMMITTED."""
+        req = pb.MemorySaveRequest(
+            ref=cv.ref_to_pb(ref),
+            phase=phase,
+            report=json.dumps(report, separators=(",", ":")).encode() if report else b"",
+            timeout_ms=max(0, int(timeout_s * 1000)),
+            reason=reason[:2000],
+        )
+        wait = timeout_s + 30 if phase in ("await", "held") else None
+        r = self._call(f"{_what(ref)} (memory {phase})", self._stub.MemorySave, req, timeout_s=wait)
+        if r.lease_ms > 0:
+            self.lease_s = r.lease_ms / 1000
+        return cv.status_from_pb(r.status), r.manifest
+
 
 _SAVE_HEAD = re.compile(r"job .*? step -?\d+")
 

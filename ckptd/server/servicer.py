@@ -154,6 +154,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return pb.RecordTierResponse()
 
+    @translated
+    async def MemorySave(
+        self, request: pb.MemorySaveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MemorySaveResponse:
+        status, manifest = await self.core.memory_save(
+            cv.ref_from_pb(request.ref),
+            request.phase,
+            cv.json_field(request.report, "memory report"),
+            timeout_s=request.timeout_ms / 1000,
+            reason=request.reason,
+        )
+        return pb.MemorySaveResponse(
+            status=cv.status_to_pb(status),
+            manifest=manifest,
+            lease_ms=int(self.core.lease_s * 1000),
+        )
+
 
 def _begin_call(
     request: pb.BeginSaveRequest,

@@ -289,3 +289,27 @@ class RecordTierRequest(_message.Message):
 class RecordTierResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class MemorySaveRequest(_message.Message):
+    __slots__ = ("ref", "phase", "report", "timeout_ms", "reason")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ref: SaveRef
+    phase: str
+    report: bytes
+    timeout_ms: int
+    reason: str
+    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., phase: _Optional[str] = ..., report: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class MemorySaveResponse(_message.Message):
+    __slots__ = ("status", "manifest", "lease_ms")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    status: SaveStatus
+    manifest: bytes
+    lease_ms: int
+    def __init__(self, status: _Optional[_Union[SaveStatus, _Mapping]] = ..., manifest: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...

@@ -84,6 +84,11 @@ class CoordinatorStub:
                 request_serializer=ckptd_dot_v1_dot_coordinator__pb2.RecordTierRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_coordinator__pb2.RecordTierResponse.FromString,
                 _registered_method=True)
+        self.MemorySave = channel.unary_unary(
+                '/ckptd.v1.Coordinator/MemorySave',
+                request_serializer=ckptd_dot_v1_dot_coordinator__pb2.MemorySaveRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_coordinator__pb2.MemorySaveResponse.FromString,
+                _registered_method=True)
         self.BeginSaveNode = channel.unary_unary(
                 '/ckptd.v1.Coordinator/BeginSaveNode',
                 request_serializer=ckptd_dot_v1_dot_coordinator__pb2.NodeBeginSaveRequest.SerializeToString,
@@ -181,6 +186,18 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MemorySave(self, request, context):
+        """A rank's part in a memory checkpoint (docs/memory-tier.md), one call per phase:
+        "join" (it begins placing its shard; its lease starts), "alive" (renews it), "held"
+        (report: where its shard is held and the index digests the agents computed), "await"
+        (wait up to timeout_ms for the decision), "abort". The coordinator commits the step
+        when every shard is held on enough nodes with agreeing digests, records the "memory"
+        tier in the catalog, and answers COMMITTED with the manifest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def BeginSaveNode(self, request, context):
         """Node batches (docs/coordinator.md, "Nodes, not ranks"): a node's aggregator (on its
         local rank 0) gathers the per-rank messages above from its node's ranks and sends
@@ -259,6 +276,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RecordTier,
                     request_deserializer=ckptd_dot_v1_dot_coordinator__pb2.RecordTierRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_coordinator__pb2.RecordTierResponse.SerializeToString,
+            ),
+            'MemorySave': grpc.unary_unary_rpc_method_handler(
+                    servicer.MemorySave,
+                    request_deserializer=ckptd_dot_v1_dot_coordinator__pb2.MemorySaveRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_coordinator__pb2.MemorySaveResponse.SerializeToString,
             ),
             'BeginSaveNode': grpc.unary_unary_rpc_method_handler(
                     servicer.BeginSaveNode,
@@ -546,6 +568,33 @@ class Coordinator:
             '/ckptd.v1.Coordinator/RecordTier',
             ckptd_dot_v1_dot_coordinator__pb2.RecordTierRequest.SerializeToString,
             ckptd_dot_v1_dot_coordinator__pb2.RecordTierResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MemorySave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Coordinator/MemorySave',
+            ckptd_dot_v1_dot_coordinator__pb2.MemorySaveRequest.SerializeToString,
+            ckptd_dot_v1_dot_coordinator__pb2.MemorySaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,15 +1,15 @@
-"""One rank of a four-rank, two-node gloo job training with a memory tier.
+"""One rank of a gloo job training with a memory tier, its ranks as simulated nodes.
 
 `entry(rank, world, port, job, out_dir, spec)` (a multiprocessing spawn target): ranks
-0-1 are node 0 and ranks 2-3 node 1; each node's shared memory is `spec["shm"]/node<N>`,
-so each simulated node has its own agent. The "training" is deterministic: every step
+are nodes of `spec["per_node"]` (default 2: four ranks are nodes 0 and 1); each node's
+shared memory is `spec["shm"]/node<N>`, so each simulated node has its own agent. The "training" is deterministic: every step
 updates the state from itself and the step only, so a run that resumes from a step ends
 bit-identical to one that never stopped.
 
 spec: steps (train from the resumed step + 1 up to it), memory_every, every (persistent),
 crash_at (after the step's saves are placed, every rank leaves: the victim by SIGKILL, the
 rest as torchrun would tear them down), victim, max_steps, max_bytes, mib (state size per
-rank). Writes rank<r>.json: resumed step, the tier it loaded from, the final state's
+rank), per_node, replicas. Writes rank<r>.json: resumed step, the tier it loaded from, the final state's
 digest, memory saves' outcomes.
 """
 
@@ -77,13 +77,15 @@ def _body(rank: int, world: int, job: str, spec: dict[str, Any]) -> dict[str, An
     import ckpt
 
     logging.basicConfig(level=logging.INFO)
-    node = rank // 2
+    per_node = spec.get("per_node", 2)
+    node = rank // per_node
     os.environ["CKPTD_AGENT_HOST"] = "127.0.0.1"
     tier = ckpt.MemoryTier(
         every=spec.get("memory_every", 2),
         root=os.path.join(spec["shm"], f"node{node}"),
         node=node,
-        nodes=world // 2,
+        nodes=world // per_node,
+        replicas=spec.get("replicas", 1),
         max_steps=spec.get("max_steps", 2),
         max_bytes=spec.get("max_bytes"),
     )

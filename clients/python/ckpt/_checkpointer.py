@@ -173,7 +173,7 @@ class Checkpointer:
         self._memory = None if memory is None else MemorySaver(
             memory, self.path, self.storage, self._store, token, (self.rank, self.world_size),
             (self.generation, self.attempt), allow_divergent=allow_divergent_replicas,
-            record=lambda step, status, why: self._record_tier("memory", step, status, why),
+            client=self.client,
         )  # fmt: skip
         self._last_step: int | None = None  # the newest step saved or resumed here
         self.last_load: LoadResult | None = None

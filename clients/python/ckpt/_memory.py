@@ -1,23 +1,26 @@
 """The in-memory tier: checkpoints held in each node's shared memory and on a peer node.
 
 A memory save (`MemorySaver.save`) stages the state like any save (its own host image),
-then in the background: hashes every block; the ranks exchange their plans through the
-process group's store and each runs the coordinator's dedup (ckptd.coordinator.planning,
-the same rule as a persistent save) to know what it writes; it writes its packed shard
-and index straight into its node's shared-memory root (ckpt._save_job, the shard writer
-as for storage); the node's agent checks every block against the index, then sends the
-shard to the agent of the next `replicas` nodes of the ring, which check it again on
-arrival. Rank 0 commits the step when every shard is held on at least two nodes (or on
-every node, when the job has fewer) with the same index digest: it writes the manifest to
-every agent that holds all the shards, and records the "memory" tier in the coordinator's
-catalog (RecordTier). A memory save that is busy, refused (the agent's budget) or fails
-is logged and reported in its PendingSave; it never raises into training, and persistent
+then in the background: joins the memory save at the coordinator (ckpt._protocol's
+MemoryRankSave: the MemorySave RPC, leased); hashes every block; the ranks exchange their
+plans through the process group's store and each runs the coordinator's dedup
+(ckptd.coordinator.planning, the same rule as a persistent save) to know what it writes;
+it writes its packed shard and index straight into its node's shared-memory root
+(ckpt._save_job, the shard writer as for storage); the node's agent checks every block
+against the index, then sends the shard to the agents of the next `replicas` nodes of the
+ring, which check it again on arrival, each answering with the index digest it computed.
+The rank reports that to the coordinator, which commits the step when every shard is held
+on at least two nodes with agreeing digests (ckptd.coordinator.memory), records the
+"memory" tier in the catalog and answers with the manifest; each rank writes it into its
+own node's agent. A memory save that is busy, refused (the agent's budget) or fails is
+logged and reported in its PendingSave; it never raises into training, and persistent
 saves are independent of it.
 
-Restore reads this node's root directly ("memory": a LocalStorage over the shared
-memory) and the ring's holders of this node's shards through their agents ("peer":
-ckptd.agent.client.AgentStorage); the load policy (ckpt._load) treats them as the
-nearest tiers, so every byte is verified and a bad copy falls through to the next.
+Restore reads this node's root directly ("memory": the steps it committed, each file from
+here when held here, else from the ring node holding it) and the other nodes' agents
+("peer"), both through ckptd.agent.client.HeldStorage; the load policy (ckpt._load)
+treats them as the nearest tiers, so every byte is verified and a bad copy falls through
+to the next.
 
 The agent: the node's first rank starts `ckptd agent` (under a lock file in the root)
 when none answers, detached so it outlives the ranks; Slurm or Kubernetes may start it
@@ -40,23 +43,23 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckpt._flatten import flatten
 from ckpt._pending import PendingSave
+from ckpt._protocol import MemoryRankSave
 from ckpt._results import SaveResult
 from ckpt._save_job import SaveJob, SaveOptions
 from ckpt._staging import HostImage
 from ckptd import knobs
-from ckptd.agent.client import AgentClient, AgentStorage
+from ckptd.agent.client import AgentClient, AgentStorage, HeldStorage
 from ckptd.coordinator import planning
-from ckptd.coordinator.types import TIER_FAILED, TIER_HELD, SaveRef
+from ckptd.coordinator.types import SaveRef
 from ckptd.errors import CkptError, SaveFailed
 from ckptd.format import layout
-from ckptd.format.manifest import Manifest, ShardInfo
 from ckptd.format.writer import ShardWriteStats
+from ckptd.server.client import CoordinatorClient
 from ckptd.storage import Storage
 from ckptd.storage.local import LocalStorage
 
@@ -209,15 +212,15 @@ class MemorySaver:
         rank_world: tuple[int, int],
         generation_attempt: tuple[int, str],
         *,
-        record: Callable[[int, str, str], None],
+        client: CoordinatorClient,
         allow_divergent: bool = False,
     ):
         """path, storage: the job's; store: the process group's (None for one rank);
-        record(step, status, reason): RecordTier of the memory tier in the catalog."""
+        client: the coordinator's (it commits memory steps: ckptd.coordinator.memory)."""
         rank, world_size = rank_world
         self.tier, self.path, self.rank, self.world_size = tier, path, rank, world_size
         self.generation, self.attempt = generation_attempt
-        self.store, self._record, self.allow_divergent = store, record, allow_divergent
+        self.store, self.client, self.allow_divergent = store, client, allow_divergent
         self.node, self.nodes = _placement(tier, rank, world_size)
         if world_size > 1 and store is None:
             raise ValueError(
@@ -266,13 +269,23 @@ class MemorySaver:
         return self._peers[node]
 
     def tiers(self) -> list[tuple[str, Storage]]:
-        """The memory tiers, nearest first: this node's memory, then the peers'."""
-        out: list[tuple[str, Storage]] = [("memory", self.storage)]
-        for i, node in enumerate(self.ring()):
+        """The memory tiers, nearest first: this node's memory ("memory": the steps this
+        node committed, each file read here when held here, else from its holder), then
+        the other nodes' ("peer": the steps any of them holds, read from them alone, so a
+        bad local copy falls through to theirs). Peers go in ring order from this node's
+        successor, which holds this node's shards."""
+        others: list[Storage] = []
+        for k in range(1, self.nodes):
+            node = (self.node + k) % self.nodes
             try:
-                out.append((f"peer{i or ''}", AgentStorage(self.agent_of(node), node=node)))
+                others.append(AgentStorage(self.agent_of(node), node=node))
             except (CkptError, OSError, RuntimeError) as e:
                 log.warning("memory tier: node %d's agent is unknown (%s); skipping it", node, e)
+        out: list[tuple[str, Storage]] = [
+            ("memory", HeldStorage([self.storage, *others], listed=1, url=self.storage.url))
+        ]
+        if others:
+            out.append(("peer", HeldStorage(others)))
         return out
 
     # -- save ----------------------------------------------------------------------------
@@ -351,17 +364,43 @@ class MemorySaver:
 
     def _place_or_raise(self, job: SaveJob, parent: int | None, after: PendingSave | None) -> None:
         step = job.step
+        ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
+        save = MemoryRankSave(self.client, ref, timeout_s=self.tier.timeout_s)
+        save.join()
+        with save.leased():
+            manifest = self._place_leased(job, parent, after, save)
+        # Committed: each rank writes the manifest into its own node's agent (the same
+        # bytes from every rank of a node: the agent keeps one).
+        try:
+            self.agent.call("commit", f"job {self.path!r} step {step}", [manifest], step=step)
+        except (CkptError, OSError) as e:
+            log.error(
+                "job %s step %d: the memory step is committed, but node %d's agent did not "
+                "take its manifest (%s): this node's memory lacks it, the peers have it",
+                self.path,
+                step,
+                self.node,
+                e,
+            )
+            return
+        if self.rank == 0:
+            log.info("job %s step %d: memory checkpoint committed", self.path, step)
+            self._forget(step)  # every rank has read every plan: all reported "held"
+
+    def _place_leased(
+        self, job: SaveJob, parent: int | None, after: PendingSave | None, save: MemoryRankSave
+    ) -> bytes:
+        step = job.step
         digests = job.digests()
         plan = job.plan(digests)
         self._post(step, "plan", {"plan": [dataclasses.asdict(c) for c in plan], "state": job.node})
-        plans, states = {}, {}
+        plans = {}
         for r, doc in self._gather(step, "plan").items():
             if doc.get("skip"):
                 raise SaveFailed(
                     f"job {self.path!r} step {step}: rank {r} skipped this memory save"
                 )
             plans[r] = [planning.ChunkPlan(**_tuples(c)) for c in doc["plan"]]
-            states[r] = doc["state"]
         write = planning.assign(plans, allow_divergent=self.allow_divergent).write.get(
             self.rank, []
         )
@@ -390,75 +429,34 @@ class MemorySaver:
             shard=info.to_json(),
             replicas=peers,
         )
-        self._post(
-            step,
-            "held",
-            {"shard": info.to_json(), "held_on": reply["held_on"], "failures": reply["failures"]},
-        )
-        if self.rank == 0:
-            if after is not None:
-                after.join()
-            self._commit(job, states, parent)
-
-    def _commit(self, job: SaveJob, states: dict[int, Any], parent: int | None) -> None:
-        """Rank 0: commit the memory step when every shard is held on enough nodes."""
-        step = job.step
-        held = self._gather(step, "held")
-        need = min(2, self.nodes) if self.tier.replicas > 0 else 1
-        short = {r: d["held_on"] for r, d in held.items() if len(set(d["held_on"])) < need}
-        if short:
-            why = "; ".join(
-                f"rank {r} on nodes {nodes} ({'; '.join(held[r]['failures']) or 'no copy made'})"
-                for r, nodes in sorted(short.items())
-            )
-            self.record(step, TIER_FAILED, f"not held on {need} nodes: {why}")
-            raise SaveFailed(
-                f"job {self.path!r} step {step}: memory checkpoint not committed, shards not "
-                f"held on {need} nodes: {why}"
-            )
+        for failure in reply["failures"]:
+            log.error("job %s step %d rank %d: %s", self.path, step, self.rank, failure)
+        if after is not None:
+            # The live line orders steps by commit time: the persistent save this step
+            # descends from commits first.
+            after.join()
         k = knobs.get()
-        m = Manifest(
-            job=self.path,
-            step=step,
-            generation=self.generation,
-            world_size=self.world_size,
-            block_size=k.block_size,
-            alignment=k.alignment,
-            shards=[ShardInfo(**held[r]["shard"]) for r in sorted(held)],
-            state=planning.merge_states(states),
-            metadata=job.metadata,
-            parent=parent,
+        return save.commit(
+            {
+                "shard": info.to_json(),
+                "held": reply["held"],
+                "node": self.node,
+                "nodes": self.nodes,
+                "copies": self.copies,
+                "block_size": k.block_size,
+                "alignment": k.alignment,
+                "state": job.node,
+                "metadata": job.metadata if self.rank == 0 else {},
+                "parent": parent,
+                "url": self.url,
+            }
         )
-        data = m.to_bytes()
-        on = []
-        for node in range(self.nodes):
-            try:
-                reply, _ = self.agent_of(node).call(
-                    "commit", f"job {self.path!r} step {step}", [data], step=step
-                )
-            except (CkptError, OSError) as e:
-                log.error(
-                    "job %s step %d: node %d's agent did not commit: %s", self.path, step, node, e
-                )
-                continue
-            if not reply["missing"]:
-                on.append(node)
-        if len(on) < need:
-            self.record(step, TIER_FAILED, f"committed on nodes {on} only")
-            raise SaveFailed(
-                f"job {self.path!r} step {step}: memory commit reached nodes {on} only"
-            )
-        self.record(step, TIER_HELD, f"nodes {on}")
-        log.info("job %s step %d: memory checkpoint committed on nodes %s", self.path, step, on)
-        self._forget(step)
 
-    def record(self, step: int, status: str, reason: str) -> None:
-        try:
-            self._record(step, status, reason)
-        except CkptError as e:  # the catalog's view only: the agents' commit stands
-            log.warning(
-                "job %s step %d: memory tier not recorded in the catalog: %s", self.path, step, e
-            )
+    @property
+    def copies(self) -> int:
+        """How many nodes must hold each shard for the coordinator to commit the step: two
+        (the loss of any one node leaves a copy), or one without replicas or nodes."""
+        return min(2, self.nodes) if self.tier.replicas > 0 else 1
 
     # -- the store: what the ranks of one memory save tell each other ---------------------
     def _post(self, step: int, what: str, doc: dict[str, Any]) -> None:
@@ -484,7 +482,7 @@ class MemorySaver:
     def _forget(self, step: int) -> None:
         if self.store is None:
             return
-        for what in ("plan", "held"):
+        for what in ("plan",):
             for r in range(self.world_size):
                 try:
                     self.store.delete_key(f"{self._key}/{step}/{what}/{r}")

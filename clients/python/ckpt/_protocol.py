@@ -227,3 +227,80 @@ def commit_for_ranks(
         saves[0].abort(f"{type(e).__name__}: {e}")
         raise
     saves[0].require_committed(status, f"; reports {sorted(set(statuses))}")
+
+
+class MemoryRankSave:
+    """One rank's side of one memory save (ckptd.coordinator.memory): the same shape as
+    RankSave, over the MemorySave RPC.
+
+        save = MemoryRankSave(client, ref, timeout_s=...)
+        save.join()                       # the save is open at the coordinator
+        with save.leased():               # "alive" while the shard is placed
+            ...write the shard into the node's memory, agents verify and copy it...
+            manifest = save.commit(report)  # "held", then "await": COMMITTED or raises
+
+    A failure in the body aborts the memory save for every rank (quietly: the caller
+    reports the failure); the coordinator is the one that commits.
+    """
+
+    def __init__(self, client: CoordinatorClient, ref: SaveRef, *, timeout_s: float):
+        self.client, self.ref, self.timeout_s = client, ref, timeout_s
+        self.where = f"job {ref.job!r} step {ref.step} rank {ref.rank}/{ref.world_size} (memory)"
+
+    def join(self) -> None:
+        status, _ = self.client.memory_save(self.ref, "join", timeout_s=self.timeout_s)
+        self._require_open(status)
+
+    @contextlib.contextmanager
+    def leased(self) -> Iterator[None]:
+        stop = threading.Event()
+        lease_s = self.client.lease_s or 20.0
+        pinger = threading.Thread(target=self._keep_alive, args=(lease_s, stop), daemon=True)
+        pinger.start()
+        try:
+            yield
+        except BaseException as e:
+            stop.set()
+            if not isinstance(e, SaveAborted):  # SaveAborted: the coordinator's own word
+                self.abort(f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            stop.set()
+
+    def commit(self, report: dict[str, Any]) -> bytes:
+        """Report where this rank's shard is held, then wait for the decision; returns the
+        step's manifest once the coordinator committed it."""
+        status, manifest = self.client.memory_save(self.ref, "held", report)
+        deadline = time.monotonic() + self.timeout_s
+        while status.status == "OPEN" and time.monotonic() < deadline:
+            wait = min(max(1.0, (self.client.lease_s or 20.0) / 2), 30.0)
+            status, manifest = self.client.memory_save(self.ref, "await", timeout_s=wait)
+        if status.status != "COMMITTED" or not manifest:
+            raise SaveAborted(
+                f"{self.where}: the memory checkpoint was not committed ({status.status}"
+                f"{', its manifest lost' if status.status == 'COMMITTED' else ''}): "
+                f"{status.reason or 'no decision within the timeout'}"
+            )
+        return manifest
+
+    def abort(self, reason: str) -> None:
+        try:
+            self.client.memory_save(self.ref, "abort", reason=reason)
+        except CkptError as e:
+            log.warning(
+                "%s: could not tell the coordinator the memory save failed: %s", self.where, e
+            )
+
+    def _require_open(self, status: StatusResult) -> None:
+        if status.status != "OPEN":
+            raise SaveAborted(f"{self.where}: {status.status}: {status.reason}")
+
+    def _keep_alive(self, lease_s: float, stop: threading.Event) -> None:
+        while not stop.wait(max(0.05, lease_s / 3)):
+            try:
+                status, _ = self.client.memory_save(self.ref, "alive")
+            except CkptError as e:
+                log.debug("%s: keep-alive failed: %s", self.where, e)
+                continue
+            if status.status != "OPEN":
+                return
