@@ -66,11 +66,13 @@ def spawn_ranks(
     *,
     log_name: Callable[[int], str] = lambda r: f"rank{r}.log",
     timeout: float = 120,
+    log_tail: int | None = None,
 ) -> tuple[list[Any], str]:
     """`world` rank processes (spawned: a fresh interpreter each, as torchrun gives)
     running target(*args_of(rank, port)) on one free port, waited for at most `timeout`
     together; a rank still running then is killed and fails the test by name. Returns the
-    processes and every rank's log (out/log_name(rank)), for the caller's assertions."""
+    processes and every rank's log (out/log_name(rank); its last `log_tail` characters),
+    for the caller's assertions."""
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=target, args=args_of(r, port), daemon=True) for r in range(world)]
@@ -84,10 +86,13 @@ def spawn_ranks(
         if p.is_alive():
             p.kill()
             p.join(10)
+
+    def log_of(r: int) -> str:
+        text = (out / log_name(r)).read_text(errors="replace")
+        return text[-log_tail:] if log_tail else text
+
     logs = "\n".join(
-        f"--- rank {r}\n{(out / log_name(r)).read_text(errors='replace')}"
-        for r in range(world)
-        if (out / log_name(r)).exists()
+        f"--- rank {r}\n{log_of(r)}" for r in range(world) if (out / log_name(r)).exists()
     )
     assert not hung, f"ranks {hung} hung:\n{logs}"
     return procs, logs

@@ -5,16 +5,14 @@ agent` (ckpt._memory, ckptd.agent); the coordinator commits each memory step."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import shutil
 import signal
 import sqlite3
-import time
 from pathlib import Path
 
 import pytest
-from coordinator_fixtures import free_port
+from coordinator_fixtures import spawn_ranks
 from ranks import memory_rank
 
 from ckptd.format import layout
@@ -32,28 +30,14 @@ def run_job(
     world: int = WORLD,
 ) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(target=memory_rank.entry, args=(r, world, port, str(job), str(out), spec))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(10)
-    logs = "\n".join(
-        f"--- rank {r}\n{(out / f'rank{r}.log').read_text(errors='replace')[-6000:]}"
-        for r in range(world)
-        if (out / f"rank{r}.log").exists()
+    procs, logs = spawn_ranks(
+        memory_rank.entry,
+        world,
+        lambda r, port: (r, world, port, str(job), str(out), spec),
+        out,
+        timeout=timeout,
+        log_tail=6000,
     )
-    assert not hung, f"ranks {hung} hung:\n{logs}"
     if expect_crash:
         victim = spec.get("victim", 1)
         assert procs[victim].exitcode == -signal.SIGKILL, logs
