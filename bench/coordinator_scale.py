@@ -37,9 +37,12 @@ within 2 s; p99 commit latency growing no faster than linearly in N. A save that
 aggregator: the real ckptd.server.node.NodeBatcher (the logic `NodeAggregator` serves to a
 node's ranks over 127.0.0.1), called directly by the node's simulated ranks with the
 messages they would send it, and sending BeginSaveNode / ReportShardsNode / AwaitCommit
-upstream over the shared channels: one RPC per node and phase. --ranks-per-node 1 is the
-per-rank protocol (every rank calls the coordinator itself). RPCs counts the calls the
-coordinator answered during the save.
+upstream over the shared channels: one call per node and phase, each a message on the
+node's one long-lived NodeSession stream (ckptd.server.node_session, as the real
+aggregator sends them), or with --node-calls unary one unary RPC each (how they went
+before the session). --ranks-per-node 1 is the per-rank protocol (every rank calls the
+coordinator itself). RPCs counts the calls the coordinator answered during the save,
+unary or carried by a session.
 
 --grpc-pending-limit K runs the same `ckptd serve` with gRPC core's server arguments
 grpc.server.max_pending_requests(_hard_limit) raised to K (patched into grpc.aio.server in
@@ -82,6 +85,7 @@ from ckptd.format import hashing
 from ckptd.format.writer import WriteItem, write_shard
 from ckptd.server import converters as cv
 from ckptd.server.node import NodeBatcher
+from ckptd.server.node_session import SessionUpstream
 from ckptd.storage import open_storage
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
@@ -376,10 +380,11 @@ class Job:
         self.saves = 0
         self.idle_memory = self.server.memory()
         k = max(1, args.ranks_per_node)
+        self.sessions: list[SessionUpstream] = []
         self.nodes = (
             [
                 NodeBatcher(
-                    AioUpstream(self.stubs[n % len(self.stubs)]),
+                    self.node_upstream(self.stubs[n % len(self.stubs)]),
                     f"bench/node{n}",
                     range(n * k, min(world, (n + 1) * k)),
                 )
@@ -388,6 +393,20 @@ class Job:
             if k > 1
             else []
         )
+
+    def node_upstream(self, stub: pb_grpc.CoordinatorStub) -> Any:
+        """A node's upstream: its calls on one node session, as the real aggregator sends
+        them (ckptd.server.node_session), or (--node-calls unary) one unary call each."""
+        unary = AioUpstream(stub)
+        if self.args.node_calls == "unary":
+            return unary
+        session = SessionUpstream(stub.NodeSession, unary, call_timeout_s=CALL_TIMEOUT_S)
+        self.sessions.append(session)
+        return session
+
+    def calls_made(self) -> int:
+        """Calls made to the coordinator: unary calls, and calls carried by node sessions."""
+        return RPCS[0] + sum(s.calls_sent for s in self.sessions)
 
     def stub(self, rank: int) -> pb_grpc.CoordinatorStub:
         return self.stubs[rank % len(self.stubs)]
@@ -402,6 +421,8 @@ class Job:
         self.job = r.job  # the coordinator's name for it (relative to its root)
 
     async def close(self) -> None:
+        for session in self.sessions:
+            await session.close()
         for ch in self.channels:
             await ch.close()
         self.pool.shutdown()
@@ -448,7 +469,7 @@ class Job:
         infos: list[Any] = [None] * n
         writes: list[list[int]] = [[] for _ in range(n)]
         cpu = {"start": srv.cpu_s()}
-        rpcs0 = RPCS[0]
+        rpcs0 = self.calls_made()
         client_cpu0 = time.process_time()
 
         k = max(1, self.args.ranks_per_node)
@@ -532,7 +553,7 @@ class Job:
             "chunks_written": sum(written),
             "ranks_writing_nothing": sum(1 for w in written if not w),
             "bytes_written": sum(i.size for i in infos),
-            "rpcs": RPCS[0] - rpcs0,
+            "rpcs": self.calls_made() - rpcs0,
             "begin_request_bytes": sum(q.ByteSize() for q in begin_reqs),
         }
         if not self.args.pipelined:
@@ -747,6 +768,13 @@ def main(argv: list[str] | None = None) -> int:
         default=8,
         help="ranks a node aggregator batches (1: every rank calls the coordinator)",
     )
+    p.add_argument(
+        "--node-calls",
+        choices=("session", "unary"),
+        default="session",
+        help="how the node aggregators call the coordinator: one node session stream each "
+        "(as ckptd's aggregator does) or one unary call per node and phase (before it)",
+    )
     p.add_argument("--chunk-bytes", type=int, default=64, help="bytes of each chunk")
     p.add_argument(
         "--keys", type=int, default=0, help="more keys per rank, each cut Shard(0) like sharded/w"
@@ -802,7 +830,8 @@ def main(argv: list[str] | None = None) -> int:
             "commit_phase_s": "last ReportShard answered -> last AwaitCommit answered",
             "coordinator_s": "begin_s + report_s + commit_phase_s",
             "commit_p50_s/p99_s": "per rank: AwaitCommit answer - last ReportShard answer",
-            "rpcs": "calls the coordinator answered during the save (3N per rank, 3 per node)",
+            "rpcs": "calls the coordinator answered during the save, unary or on node sessions "
+            "(3 per rank, 3 per node)",
             "begin_request_bytes": "serialized BeginSave requests of all ranks (cached plans "
             "from the second save on unless --no-plan-cache)",
             "rpcs_per_s": "rpcs / coordinator_s",

@@ -80,6 +80,7 @@ from ckptd.format import hashing, layout
 from ckptd.server import converters as cv
 from ckptd.server.errors import error_from
 from ckptd.server.node import NodeBatcher
+from ckptd.server.node_session import SessionUpstream
 from ckptd.storage import open_storage
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
@@ -147,16 +148,29 @@ class Soak:
         self.rank_latency: dict[str, list[float]] = defaultdict(list)  # ranks -> aggregator
         self.kill_round = False
         k = max(1, args.ranks_per_node)
+        self.sessions: list[SessionUpstream] = []
         self.batchers: list[NodeBatcher] = []
         if k > 1:
             self.batchers = [
                 NodeBatcher(
-                    SoakUpstream(self, self.stubs[n % len(self.stubs)]),
+                    self.node_upstream(self.stubs[n % len(self.stubs)]),
                     f"node{n}",
                     range(n * k, min(self.n, (n + 1) * k)),
                 )
                 for n in range(-(-self.n // k))
             ]
+
+    def node_upstream(self, stub: pb_grpc.CoordinatorStub) -> Any:
+        """A node's calls on its node session (as ckptd's aggregator makes them), timed as a
+        whole; the ones that go by unary instead are timed again as "<kind>(unary)". With
+        --node-calls unary, every node call is a unary RPC."""
+        if self.args.node_calls == "unary":
+            return SoakUpstream(self, stub)
+        session = SessionUpstream(
+            stub.NodeSession, SoakUpstream(self, stub, "(unary)"), call_timeout_s=CALL_TIMEOUT_S
+        )
+        self.sessions.append(session)
+        return TimedSession(self, session)
 
     def batcher(self, rank: int) -> NodeBatcher:
         return self.batchers[rank // self.args.ranks_per_node]
@@ -203,6 +217,8 @@ class Soak:
         self.generation, self.job = r.generation, r.job
 
     async def close(self) -> None:
+        for session in self.sessions:
+            await session.close()
         for ch in self.channels:
             await ch.close()
         self.pool.shutdown()
@@ -500,12 +516,12 @@ class SoakUpstream:
     """A node aggregator's calls to the coordinator, timed and counted as the soak's RPCs;
     a failed call becomes the CkptError the real client raises (ckptd.server.errors)."""
 
-    def __init__(self, soak: Soak, stub: pb_grpc.CoordinatorStub):
-        self.soak, self.stub = soak, stub
+    def __init__(self, soak: Soak, stub: pb_grpc.CoordinatorStub, label: str = ""):
+        self.soak, self.stub, self.label = soak, stub, label
 
     async def _rpc(self, kind: str, fn: Any, req: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
         try:
-            return await self.soak.rpc(kind, fn, req, timeout)
+            return await self.soak.rpc(kind + self.label, fn, req, timeout)
         except grpc.aio.AioRpcError as e:
             raise error_from(e.code(), e.details() or "", e.trailing_metadata()) from None
 
@@ -530,6 +546,45 @@ class SoakUpstream:
 
     async def abort_save(self, req: pb.AbortSaveRequest) -> pb.SaveStatus:
         return await self._rpc("AbortSave", self.stub.AbortSave, req)
+
+
+class TimedSession:
+    """A node session's calls as the aggregator sees them (on the stream, or by unary when
+    the stream could not), timed and counted under the unary call's name."""
+
+    def __init__(self, soak: Soak, session: SessionUpstream):
+        self.soak, self.session = soak, session
+
+    async def _timed(self, kind: str, call: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            got = await call
+        except CkptError as e:
+            self.soak.errors[f"{kind}:{type(e).__name__}"] += 1
+            if len(self.soak.error_samples) < 10:
+                self.soak.error_samples.append(f"{kind}: {e}")
+            raise
+        self.soak.latency[kind].append(time.perf_counter() - t0)
+        return got
+
+    async def begin_save(self, req: pb.BeginSaveRequest) -> pb.BeginSaveResponse:
+        return await self.session.begin_save(req)  # timed by the unary upstream
+
+    async def begin_save_node(self, node: str, reqs: Any) -> Any:
+        return await self._timed("BeginSaveNode", self.session.begin_save_node(node, reqs))
+
+    async def keep_alive_node(self, node: str, reqs: Any) -> Any:
+        return await self._timed("KeepAliveNode", self.session.keep_alive_node(node, reqs))
+
+    async def report_shards_node(self, node: str, reqs: Any) -> Any:
+        return await self._timed("ReportShardsNode", self.session.report_shards_node(node, reqs))
+
+    async def await_commit(self, req: pb.AwaitCommitRequest) -> pb.SaveStatus:
+        kind = "AwaitCommit(kill round)" if self.soak.kill_round else "AwaitCommit"
+        return await self._timed(kind, self.session.await_commit(req))
+
+    async def abort_save(self, req: pb.AbortSaveRequest) -> pb.SaveStatus:
+        return await self.session.abort_save(req)  # timed by the unary upstream
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -715,6 +770,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--channels", type=int, default=8)
     p.add_argument(
         "--ranks-per-node", type=int, default=1, help="ranks behind each node aggregator"
+    )
+    p.add_argument(
+        "--node-calls",
+        choices=("session", "unary"),
+        default="session",
+        help="node aggregators' calls: on one node session each (as ckptd's) or unary",
     )
     p.add_argument("--chunk-bytes", type=int, default=64)
     p.add_argument("--io-threads", type=int, default=16)

@@ -185,6 +185,10 @@ def test_two_nodes_save_through_their_aggregators(tmp_path: Path) -> None:
     # Steps 2 and 3 repeat the layout: cached plans go through the aggregators and commit.
     assert all(r.get("steps_2_3") == "COMMITTED" and r["layout_known"] for r in results), logs
     assert (job / "step-000000000003" / "MANIFEST.json").exists()
+    # Every node call went on the node session (ckptd.server.node_session), none by unary:
+    # per save a begin, a report and an await a node at least.
+    hosts = [r for r in results if r["hosts_aggregator"]]
+    assert all(r["session_calls"] >= 9 and r["session_fell_back"] == 0 for r in hosts), hosts
 
 
 @pytest.mark.multiprocess

@@ -42,7 +42,13 @@ MD = (("authorization", f"Bearer {TOKEN}"),)
 # "await" phase) for the commit: for
 # them (only) running into the client's deadline is the expected outcome of a plan that
 # is valid but incomplete. Every other RPC answers at once.
-BLOCKING = {"BeginSave": 1.5, "BeginSaveNode": 1.5, "AwaitCommit": 1.5, "MemorySave": 1.5}
+BLOCKING = {
+    "BeginSave": 1.5,
+    "BeginSaveNode": 1.5,
+    "AwaitCommit": 1.5,
+    "MemorySave": 1.5,
+    "NodeSession": 1.5,  # carries BeginSaveNode and AwaitCommit
+}
 DEADLINE_S = 10.0
 # What a refusal may look like: ckptd's error map (ckptd/server/errors.py), and gRPC's own
 # RESOURCE_EXHAUSTED for oversize. INTERNAL and UNKNOWN mean an unexpected exception.
@@ -173,7 +179,10 @@ def _response_class(method: str) -> type[Message]:
 
 
 def call(channel: grpc.Channel, method: str, data: bytes) -> tuple[grpc.StatusCode, str]:
-    """One call with raw request bytes; (code, details), OK included."""
+    """One call with raw request bytes; (code, details), OK included. On the node session
+    (a stream) the bytes are one NodeCall, and an error answer counts as the call's status."""
+    if SERVICE.methods_by_name[method].client_streaming:
+        return call_stream(channel, method, data)
     rpc = channel.unary_unary(
         f"/{SERVICE.full_name}/{method}",
         request_serializer=None,
@@ -181,6 +190,22 @@ def call(channel: grpc.Channel, method: str, data: bytes) -> tuple[grpc.StatusCo
     )
     try:
         rpc(data, timeout=BLOCKING.get(method, DEADLINE_S), metadata=MD)
+    except grpc.RpcError as e:
+        return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def call_stream(channel: grpc.Channel, method: str, data: bytes) -> tuple[grpc.StatusCode, str]:
+    rpc = channel.stream_stream(
+        f"/{SERVICE.full_name}/{method}",
+        request_serializer=None,
+        response_deserializer=_response_class(method).FromString,
+    )
+    try:
+        for answer in rpc(iter([data]), timeout=BLOCKING.get(method, DEADLINE_S), metadata=MD):
+            if answer.WhichOneof("answer") == "error":
+                codes = {c.value[0]: c for c in grpc.StatusCode}
+                return codes.get(answer.error.code, grpc.StatusCode.UNKNOWN), answer.error.details
     except grpc.RpcError as e:
         return e.code(), e.details() or ""
     return grpc.StatusCode.OK, ""
@@ -290,6 +315,9 @@ def _valid(method: str, job: str) -> Message:
             node="node0", ranks=[pb.KeepAliveRequest(ref=ref)]
         ),
         "ReportShardsNode": lambda: pb.NodeReportRequest(node="node0", ranks=[report]),
+        "NodeSession": lambda: pb.NodeCall(
+            id=1, report_shards=pb.NodeReportRequest(node="node0", ranks=[report])
+        ),
         "KeepAlive": lambda: pb.KeepAliveRequest(ref=ref),
         "ReportShard": lambda: report,
         "AwaitCommit": lambda: pb.AwaitCommitRequest(ref=ref, timeout_ms=100),

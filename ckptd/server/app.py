@@ -21,6 +21,9 @@ from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+STREAMING = {
+    m.name for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods if m.client_streaming
+}
 # A part of a rank's plan is at most 20,000 chunks (~2-3 MiB); 8 MiB leaves headroom and
 # anything larger is refused with RESOURCE_EXHAUSTED before it is parsed.
 MAX_MESSAGE_BYTES = 8 << 20
@@ -69,9 +72,11 @@ async def create_standby_server(
 
     class Standby(grpc.GenericRpcHandler):
         def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-            if details.method.startswith(f"/{SERVICE_NAME}/"):
-                return grpc.unary_unary_rpc_method_handler(refuse)
-            return None
+            if not details.method.startswith(f"/{SERVICE_NAME}/"):
+                return None
+            if details.method.rpartition("/")[2] in STREAMING:  # the node session
+                return grpc.stream_stream_rpc_method_handler(refuse)
+            return grpc.unary_unary_rpc_method_handler(refuse)
 
     server.add_generic_rpc_handlers((Standby(),))
     return server, await _start(server, address, opts, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -44,12 +44,16 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else value
+        handler = await continuation(details)
         if hmac.compare_digest(given, self._expected):
-            return await continuation(details)
-        return _deny("missing token" if not given else "wrong token")
+            return handler
+        return _deny("missing token" if not given else "wrong token", handler)
 
 
-def _deny(why: str) -> grpc.RpcMethodHandler:
+def _deny(why: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler of the method's own kind that refuses the call (a stream is refused when
+    it opens, before its first message is read)."""
+
     async def abort(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await errors.abort(
             context,
@@ -58,4 +62,6 @@ def _deny(why: str) -> grpc.RpcMethodHandler:
             ),
         )
 
+    if handler is not None and handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(abort)
     return grpc.unary_unary_rpc_method_handler(abort)

@@ -96,8 +96,10 @@ class CoordinatorClient:
             ("grpc.max_send_message_length", 8 << 20),
             ("grpc.enable_retries", 0),  # retries are ours, with deadlines that know the save
         ]
+        self._creds: grpc.ChannelCredentials | None = None
+        self._opts = opts
         if root_certificates is not None or client_cert is not None:
-            creds = grpc.ssl_channel_credentials(
+            self._creds = creds = grpc.ssl_channel_credentials(
                 root_certificates=root_certificates,
                 private_key=client_cert[0] if client_cert else None,
                 certificate_chain=client_cert[1] if client_cert else None,
@@ -148,6 +150,24 @@ class CoordinatorClient:
         for c in self._channels:
             c.close()
 
+    def aio_channel(self, address: str) -> grpc.aio.Channel:
+        """A grpc.aio channel to `address` with this client's credentials and options, for
+        a node aggregator's session stream (ckptd.server.node_session); made on, and closed
+        by, the event loop that uses it."""
+        if self._creds is not None:
+            return grpc.aio.secure_channel(address, self._creds, options=self._opts)
+        return grpc.aio.insecure_channel(address, options=self._opts)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def note_lease(self, answers: Sequence[pb.BeginSaveResponse]) -> None:
+        """The lease a BeginSave answer granted: the retry window of later calls."""
+        for b in answers:
+            if b.lease_ms > 0:
+                self.lease_s = b.lease_ms / 1000
+
     def current_stub(self) -> pb_grpc.CoordinatorStub:
         return self._stubs[self._current]
 
@@ -195,7 +215,7 @@ class CoordinatorClient:
                     raise self.unavailable(what, f"{code.name}: {details}") from None
                 self.reached = True  # it answered, with an error of its own
                 trailers = e.trailing_metadata() if isinstance(e, grpc.Call) else None
-                msg = _named_once(what, details)
+                msg = named_once(what, details)
                 raise error_from(code, msg, trailers, where=self.address) from None
 
     # -- RPCs --------------------------------------------------------------------------
@@ -258,7 +278,7 @@ class CoordinatorClient:
     def begin_save_pb(self, req: pb.BeginSaveRequest) -> pb.BeginSaveResponse:
         last = req.part + 1 >= max(1, req.parts)
         wait = req.timeout_ms / 1000 + 30 if last and req.timeout_ms else None
-        return self._call(_what_pb(req.ref), self._stub.BeginSave, req, timeout_s=wait)
+        return self._call(what_pb(req.ref), self._stub.BeginSave, req, timeout_s=wait)
 
     def begin_save_node(
         self, node: str, reqs: Sequence[pb.BeginSaveRequest]
@@ -266,27 +286,25 @@ class CoordinatorClient:
         """The node's last BeginSave parts in one call; it waits at the barrier."""
         wait = max((r.timeout_ms for r in reqs), default=0) / 1000
         r = self._call(
-            _what_node(node, [q.ref for q in reqs]),
+            what_node(node, [q.ref for q in reqs]),
             self._stub.BeginSaveNode,
             pb.NodeBeginSaveRequest(node=node, ranks=reqs),
             timeout_s=wait + 30 if wait else None,
         )
-        for b in r.ranks:
-            if b.lease_ms > 0:
-                self.lease_s = b.lease_ms / 1000
+        self.note_lease(r.ranks)
         return list(r.ranks)
 
     def keep_alive_node(
         self, node: str, reqs: Sequence[pb.KeepAliveRequest]
     ) -> list[pb.SaveStatus]:
-        what = _what_node(node, [q.ref for q in reqs])
+        what = what_node(node, [q.ref for q in reqs])
         req = pb.NodeKeepAliveRequest(node=node, ranks=reqs)
         return list(self._call(what, self._stub.KeepAliveNode, req).ranks)
 
     def report_shards_node(
         self, node: str, reqs: Sequence[pb.ReportShardRequest]
     ) -> list[pb.SaveStatus]:
-        what = _what_node(node, [q.ref for q in reqs])
+        what = what_node(node, [q.ref for q in reqs])
         req = pb.NodeReportRequest(node=node, ranks=reqs)
         return list(self._call(what, self._stub.ReportShardsNode, req, timeout_s=120).ranks)
 
@@ -295,7 +313,7 @@ class CoordinatorClient:
         return cv.status_to_pb(self.await_commit(ref, req.timeout_ms / 1000 or 600.0))
 
     def abort_save_pb(self, req: pb.AbortSaveRequest) -> pb.SaveStatus:
-        return self._call(_what_pb(req.ref), self._stub.AbortSave, req, timeout_s=10)
+        return self._call(what_pb(req.ref), self._stub.AbortSave, req, timeout_s=10)
 
     def _begin_parts(
         self,
@@ -417,7 +435,7 @@ class CoordinatorClient:
 _SAVE_HEAD = re.compile(r"job .*? step -?\d+")
 
 
-def _named_once(what: str, details: str) -> str:
+def named_once(what: str, details: str) -> str:
     """`what: details`, without the job and step a second time when the server's message
     starts with them too (an error passed on through a node's aggregator would otherwise
     repeat "job ... step ..." once per hop)."""
@@ -433,11 +451,11 @@ def _what(ref: SaveRef) -> str:
     return f"job {ref.job!r} step {ref.step} rank {ref.rank}/{ref.world_size} generation {ref.generation}"
 
 
-def _what_pb(ref: pb.SaveRef) -> str:
+def what_pb(ref: pb.SaveRef) -> str:
     return _what(cv.ref_from_pb(ref))
 
 
-def _what_node(node: str, refs: Sequence[pb.SaveRef]) -> str:
+def what_node(node: str, refs: Sequence[pb.SaveRef]) -> str:
     if not refs:
         return f"node {node!r}"
     r = refs[0]

@@ -17,12 +17,15 @@ coordinator; INTERNAL says "a bug", which a full disk is not.
 from __future__ import annotations
 
 import errno as errno_codes
+import logging
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import grpc
 
 from ckptd import errors as E
+
+log = logging.getLogger("ckptd.server")
 
 ERROR_KEY = "ckptd-error"  # the class name, from KINDS
 ERRNO_KEY = "ckptd-errno"
@@ -166,6 +169,21 @@ def details_for(e: BaseException) -> str:
     if isinstance(e, OSError) and e.errno is not None and e.strerror:
         return str(e.strerror)
     return str(e)
+
+
+def failure(
+    method: str, e: BaseException
+) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str | bytes], ...]]:
+    """How a handler's exception ends its call (a unary call's status, or a node-session
+    answer): ckptd errors, ValueError and OSError through the map above (a failed I/O
+    call logged too: the operator must fix the disk); anything else is INTERNAL, logged
+    with its traceback, since it is a bug."""
+    if isinstance(e, E.CkptError | ValueError | OSError):
+        if kind_of(e) is E.StorageError:
+            log.warning("%s: storage failed: %s", method, e)
+        return code_for(e), details_for(e), trailers_for(e)
+    log.error("%s failed", method, exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"{method}: internal error: {type(e).__name__}: {e}", ()
 
 
 async def abort(

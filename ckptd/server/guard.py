@@ -16,7 +16,8 @@ pool) and so one share; over a unix socket all clients share one peer name.
 from __future__ import annotations
 
 import collections
-from collections.abc import Awaitable, Callable
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -44,14 +45,19 @@ class CallGuard(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler  # streaming (health Watch, reflection): not ours to guard
+        if handler is None or not (
+            handler.unary_unary is not None
+            or (
+                handler.stream_stream is not None
+                and not inspect.isasyncgenfunction(handler.stream_stream)
+            )
+        ):
+            return handler  # generators (health Watch, reflection): not ours to guard
         method = details.method
         known = self._guarded.get(method)
         if known is not None and known[0] is handler:
             return known[1]
         decode = handler.request_deserializer
-        inner = handler.unary_unary
 
         def lenient(data: bytes) -> Any:
             if decode is None:
@@ -61,7 +67,7 @@ class CallGuard(grpc.aio.ServerInterceptor):
             except Exception as e:  # noqa: BLE001 - any parse failure is the client's
                 return _Undecodable(f"{type(e).__name__}: {e}"[:300])
 
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
             if isinstance(request, _Undecodable):
                 await errors.abort(
                     context,
@@ -71,6 +77,8 @@ class CallGuard(grpc.aio.ServerInterceptor):
                         "run the same ckptd version"
                     ),
                 )
+
+        async def admit(context: grpc.aio.ServicerContext) -> str:
             peer = context.peer()
             n = self.active[peer]
             if n >= self.max_calls:
@@ -86,13 +94,44 @@ class CallGuard(grpc.aio.ServerInterceptor):
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                 )
             self.active[peer] = n + 1
-            try:
-                return await inner(request, context)
-            finally:
-                self.active[peer] -= 1
-                if self.active[peer] <= 0:
-                    del self.active[peer]
+            return peer
 
-        wrapped = handler._replace(unary_unary=guarded, request_deserializer=lenient)
+        def leave(peer: str) -> None:
+            self.active[peer] -= 1
+            if self.active[peer] <= 0:
+                del self.active[peer]
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await refuse_undecodable(request, context)
+                peer = await admit(context)
+                try:
+                    return await inner(request, context)
+                finally:
+                    leave(peer)
+
+            wrapped = handler._replace(unary_unary=guarded, request_deserializer=lenient)
+        else:  # the node session: one call however long it stays open
+            inner_stream = handler.stream_stream
+
+            async def checked(
+                requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[Any]:
+                async for request in requests:
+                    await refuse_undecodable(request, context)
+                    yield request
+
+            async def guarded_stream(
+                requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+            ) -> Any:
+                peer = await admit(context)
+                try:
+                    return await inner_stream(checked(requests, context), context)
+                finally:
+                    leave(peer)
+
+            wrapped = handler._replace(stream_stream=guarded_stream, request_deserializer=lenient)
         self._guarded[method] = (handler, wrapped)
         return wrapped

@@ -20,8 +20,10 @@ is a dead node (every one of its ranks' leases runs out at the coordinator, whic
 A rank outside the node's ranks is refused here; one that another node already spoke for
 is refused by the coordinator (Session.claim).
 
-`NodeBatcher` is the transport-free logic over an `Upstream` (the real one runs the
-synchronous CoordinatorClient, with its retries across a coordinator restart, in threads);
+`NodeBatcher` is the transport-free logic over an `Upstream` (the real one sends the node
+calls on one long-lived stream, ckptd.server.node_session, and everything the stream cannot
+carry by the synchronous CoordinatorClient, with its retries across a coordinator restart,
+in threads);
 `NodeAggregator` serves it over grpc.aio on a private event loop thread. The bench's
 simulated ranks call a NodeBatcher directly (bench/coordinator_scale.py).
 """
@@ -43,6 +45,7 @@ import grpc
 from ckptd.errors import CkptError, InvalidRequest, SaveAborted
 from ckptd.server.auth import TokenAuthInterceptor
 from ckptd.server.client import CoordinatorClient
+from ckptd.server.node_session import SessionUpstream
 from ckptd.server.servicer import translated
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
@@ -405,9 +408,17 @@ class NodeAggregator:
         )
         self._thread.start()
         self._server: grpc.aio.Server | None = None
-        batcher_up = ClientUpstream(upstream)
+        self._client = upstream
+        self._channels: dict[str, grpc.aio.Channel] = {}  # session channels, per address
+        self.session = SessionUpstream(
+            self._open_session,
+            ClientUpstream(upstream),
+            where=upstream.address,
+            on_begin=upstream.note_lease,
+            call_timeout_s=upstream.call_timeout_s,
+        )
         fut = asyncio.run_coroutine_threadsafe(
-            self._start(batcher_up, node, ranks, token, host, linger_s), self._loop
+            self._start(self.session, node, ranks, token, host, linger_s), self._loop
         )
         try:
             self.port = fut.result(timeout=30)
@@ -415,6 +426,20 @@ class NodeAggregator:
             self.close()
             raise
         self.address = f"{host}:{self.port}"
+
+    def _open_session(self) -> grpc.aio.StreamStreamCall:
+        """The node session, to the coordinator address that answered the client last (a
+        failover moved it); on the aggregator's loop."""
+        address = self._client.current_address
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = self._client.aio_channel(address)
+        return pb_grpc.CoordinatorStub(channel).NodeSession(metadata=self._client.metadata)
+
+    async def _close_sessions(self) -> None:
+        await self.session.close()
+        for channel in self._channels.values():
+            await channel.close()
 
     async def _start(
         self,
@@ -452,6 +477,11 @@ class NodeAggregator:
                 stop.result(timeout=10)
             except (concurrent.futures.TimeoutError, RuntimeError) as e:
                 log.debug("node %s: aggregator stop: %s", self.node, e)
+        closed = asyncio.run_coroutine_threadsafe(self._close_sessions(), self._loop)
+        try:
+            closed.result(timeout=10)
+        except (concurrent.futures.TimeoutError, RuntimeError) as e:
+            log.debug("node %s: session close: %s", self.node, e)
         done = asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop)
         try:  # the saves' keep-alive loops: ended here, not destroyed pending with the loop
             done.result(timeout=10)

@@ -2,13 +2,15 @@
 
 The node-batch RPCs (BeginSaveNode, KeepAliveNode, ReportShardsNode) convert each embedded
 per-rank message exactly as the per-rank RPC does (`_begin_call`, ...) and hand the list to
-the core's node methods (ckptd.coordinator.nodes)."""
+the core's node methods (ckptd.coordinator.nodes). The same bodies answer the node session's
+messages (ckptd.server.node_session): one stream per aggregator instead of a call a phase.
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -16,9 +18,8 @@ import grpc
 from ckptd.coordinator.core import Coordinator
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.coordinator.types import SaveRef
-from ckptd.errors import CkptError, StorageError
 from ckptd.server import converters as cv
-from ckptd.server import errors
+from ckptd.server import errors, node_session
 from ckptd.v1 import coordinator_pb2 as pb
 from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -27,24 +28,17 @@ R = TypeVar("R")
 
 
 def translated(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
-    """Send ckptd errors through the error map (code and class); a failed I/O call is
-    logged too (the operator must fix the disk); anything else is INTERNAL and logged."""
+    """End a failed call through the error map (`errors.failure`: code, class, logging)."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
         try:
             return await fn(self, request, context)
-        except (CkptError, ValueError, OSError) as e:
-            if errors.kind_of(e) is StorageError:
-                log.warning("%s: storage failed: %s", fn.__name__, e)
-            await errors.abort(context, e)
         except grpc.aio.AbortError:
             raise
         except Exception as e:
-            log.exception("%s failed", fn.__name__)
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error: {type(e).__name__}: {e}"
-            )
+            code, details, trailers = errors.failure(fn.__name__, e)
+            await context.abort(code, details, trailing_metadata=trailers)
         raise AssertionError("unreachable")
 
     return wrapper
@@ -72,26 +66,54 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def BeginSaveNode(
         self, request: pb.NodeBeginSaveRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeBeginSaveResponse:
-        begun = await self.core.begin_save_node(
-            request.node, [_begin_call(r) for r in request.ranks]
-        )
-        return pb.NodeBeginSaveResponse(ranks=[cv.begin_to_pb(b) for b in begun])
+        return await self.begin_save_node(request)
 
     @translated
     async def KeepAliveNode(
         self, request: pb.NodeKeepAliveRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeStatusResponse:
-        refs = [cv.ref_from_pb(r.ref) for r in request.ranks]
-        answers = await self.core.keep_alive_node(request.node, refs)
-        return pb.NodeStatusResponse(ranks=[cv.status_to_pb(a) for a in answers])
+        return await self.keep_alive_node(request)
 
     @translated
     async def ReportShardsNode(
         self, request: pb.NodeReportRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeStatusResponse:
+        return await self.report_shards_node(request)
+
+    async def NodeSession(
+        self, request_iterator: AsyncIterator[pb.NodeCall], context: grpc.aio.ServicerContext
+    ) -> None:
+        await node_session.serve(
+            {
+                "begin_save": self.begin_save_node,
+                "keep_alive": self.keep_alive_node,
+                "report_shards": self.report_shards_node,
+                "await_commit": self.await_commit,
+            },
+            request_iterator,
+            context,
+        )
+
+    # -- the node calls' bodies: one each, for the unary RPC and the node session ----------
+    async def begin_save_node(self, request: pb.NodeBeginSaveRequest) -> pb.NodeBeginSaveResponse:
+        begun = await self.core.begin_save_node(
+            request.node, [_begin_call(r) for r in request.ranks]
+        )
+        return pb.NodeBeginSaveResponse(ranks=[cv.begin_to_pb(b) for b in begun])
+
+    async def keep_alive_node(self, request: pb.NodeKeepAliveRequest) -> pb.NodeStatusResponse:
+        refs = [cv.ref_from_pb(r.ref) for r in request.ranks]
+        answers = await self.core.keep_alive_node(request.node, refs)
+        return pb.NodeStatusResponse(ranks=[cv.status_to_pb(a) for a in answers])
+
+    async def report_shards_node(self, request: pb.NodeReportRequest) -> pb.NodeStatusResponse:
         reports = [(cv.ref_from_pb(r.ref), cv.report_from_pb(r)) for r in request.ranks]
         answers = await self.core.report_shards_node(request.node, reports)
         return pb.NodeStatusResponse(ranks=[cv.status_to_pb(a) for a in answers])
+
+    async def await_commit(self, request: pb.AwaitCommitRequest) -> pb.SaveStatus:
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+        return cv.status_to_pb(await self.core.await_commit(cv.ref_from_pb(request.ref), timeout))
 
     @translated
     async def KeepAlive(
@@ -111,8 +133,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def AwaitCommit(
         self, request: pb.AwaitCommitRequest, context: grpc.aio.ServicerContext
     ) -> pb.SaveStatus:
-        timeout = request.timeout_ms / 1000 if request.timeout_ms else None
-        return cv.status_to_pb(await self.core.await_commit(cv.ref_from_pb(request.ref), timeout))
+        return await self.await_commit(request)
 
     @translated
     async def AbortSave(

@@ -22,6 +22,52 @@ COMMITTED: Status
 ABORTED: Status
 QUARANTINED: Status
 
+class NodeCall(_message.Message):
+    __slots__ = ("id", "begin_save", "keep_alive", "report_shards", "await_commit")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_SAVE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    AWAIT_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    begin_save: NodeBeginSaveRequest
+    keep_alive: NodeKeepAliveRequest
+    report_shards: NodeReportRequest
+    await_commit: AwaitCommitRequest
+    def __init__(self, id: _Optional[int] = ..., begin_save: _Optional[_Union[NodeBeginSaveRequest, _Mapping]] = ..., keep_alive: _Optional[_Union[NodeKeepAliveRequest, _Mapping]] = ..., report_shards: _Optional[_Union[NodeReportRequest, _Mapping]] = ..., await_commit: _Optional[_Union[AwaitCommitRequest, _Mapping]] = ...) -> None: ...
+
+class NodeError(_message.Message):
+    __slots__ = ("code", "details", "trailers")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    trailers: _containers.RepeatedCompositeFieldContainer[NodeErrorTrailer]
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., trailers: _Optional[_Iterable[_Union[NodeErrorTrailer, _Mapping]]] = ...) -> None: ...
+
+class NodeErrorTrailer(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: bytes
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class NodeAnswer(_message.Message):
+    __slots__ = ("id", "begin_save", "statuses", "status", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_SAVE_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    begin_save: NodeBeginSaveResponse
+    statuses: NodeStatusResponse
+    status: SaveStatus
+    error: NodeError
+    def __init__(self, id: _Optional[int] = ..., begin_save: _Optional[_Union[NodeBeginSaveResponse, _Mapping]] = ..., statuses: _Optional[_Union[NodeStatusResponse, _Mapping]] = ..., status: _Optional[_Union[SaveStatus, _Mapping]] = ..., error: _Optional[_Union[NodeError, _Mapping]] = ...) -> None: ...
+
 class NodeBeginSaveRequest(_message.Message):
     __slots__ = ("node", "ranks")
     NODE_FIELD_NUMBER: _ClassVar[int]

@@ -53,6 +53,9 @@ def entry(rank: int, world: int, per_node: int, port: int, job: str, out: str, c
         res["steps_2_3"] = "COMMITTED"
         dist.barrier()  # rank 0 hosts the coordinator: it stays until every rank is done
         res["layout_known"] = bool(conn.save_client is not None and conn.save_client.layouts)
+        if conn.aggregator is not None:  # what went by the node session, what by unary
+            res["session_calls"] = conn.aggregator.session.calls_sent
+            res["session_fell_back"] = conn.aggregator.session.fell_back
     if crash:
         os.environ["CKPT_CRASH_AT"] = crash
         t0 = time.monotonic()
