@@ -81,6 +81,9 @@ class Session:
         self.bytes = 0
         self.state: Any = None  # merged state tree, once planned
         self.block_sizes: dict[int, int] = {}  # from each reported index
+        # The manifest without shards that each reported index is checked against, per
+        # block size (one in practice): built once a save, not once a rank.
+        self.drafts: dict[int, Manifest] = {}
         self.metadata: dict[str, Any] = {}
         self.all_reported = 0.0  # monotonic time of the last shard's report
         self.abort_kind: type[CkptError] = SaveAborted  # what a rank arriving later gets
@@ -199,7 +202,9 @@ class Session:
         doc = load_json(data, where)  # parsed once: the block size first, then the index
         block_size = index_block_size(doc)
         self.block_sizes[rank] = block_size
-        draft = manifest_of(self, block_size, {}, None)
+        draft = self.drafts.get(block_size)
+        if draft is None:  # worker threads may both build it: equal, either one kept
+            draft = self.drafts[block_size] = manifest_of(self, block_size, {}, None)
         shard = report.shard_info(rank)
         index = parse_index(
             None, manifest=draft, shard=shard, max_entries=10**7, what=where, doc=doc

@@ -26,9 +26,18 @@ from ckptd.errors import InvalidRequest
 from ckptd.server import errors
 
 
-class _Undecodable:
+class Undecodable:
+    """What a request that does not parse becomes, for the handler to refuse clearly."""
+
     def __init__(self, why: str):
         self.why = why
+
+    def error(self, method: str) -> InvalidRequest:
+        return InvalidRequest(
+            f"{method}: the request is not a valid protobuf message for this method "
+            f"({self.why}); check that the client and the coordinator run the same ckptd "
+            "version"
+        )
 
 
 class CallGuard(grpc.aio.ServerInterceptor):
@@ -65,18 +74,7 @@ class CallGuard(grpc.aio.ServerInterceptor):
             try:
                 return decode(data)
             except Exception as e:  # noqa: BLE001 - any parse failure is the client's
-                return _Undecodable(f"{type(e).__name__}: {e}"[:300])
-
-        async def refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
-            if isinstance(request, _Undecodable):
-                await errors.abort(
-                    context,
-                    InvalidRequest(
-                        f"{method}: the request is not a valid protobuf message for this "
-                        f"method ({request.why}); check that the client and the coordinator "
-                        "run the same ckptd version"
-                    ),
-                )
+                return Undecodable(f"{type(e).__name__}: {e}"[:300])
 
         async def admit(context: grpc.aio.ServicerContext) -> str:
             peer = context.peer()
@@ -105,7 +103,8 @@ class CallGuard(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await refuse_undecodable(request, context)
+                if isinstance(request, Undecodable):
+                    await errors.abort(context, request.error(method))
                 peer = await admit(context)
                 try:
                     return await inner(request, context)
@@ -113,22 +112,16 @@ class CallGuard(grpc.aio.ServerInterceptor):
                     leave(peer)
 
             wrapped = handler._replace(unary_unary=guarded, request_deserializer=lenient)
-        else:  # the node session: one call however long it stays open
+        else:  # the node session: one call however long it stays open; it refuses an
+            # Undecodable message itself (no generator wrapped around every message)
             inner_stream = handler.stream_stream
-
-            async def checked(
-                requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
-            ) -> AsyncIterator[Any]:
-                async for request in requests:
-                    await refuse_undecodable(request, context)
-                    yield request
 
             async def guarded_stream(
                 requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
             ) -> Any:
                 peer = await admit(context)
                 try:
-                    return await inner_stream(checked(requests, context), context)
+                    return await inner_stream(requests, context)
                 finally:
                     leave(peer)
 

@@ -32,6 +32,7 @@ import grpc
 from ckptd.errors import InvalidRequest
 from ckptd.server import errors
 from ckptd.server.client import named_once, what_node, what_pb
+from ckptd.server.guard import Undecodable
 from ckptd.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("ckptd.node")
@@ -57,7 +58,7 @@ Handler = Callable[[Any], Awaitable[Any]]
 # -- the coordinator's side ------------------------------------------------------------
 async def serve(
     handlers: Mapping[str, Handler],
-    requests: AsyncIterator[pb.NodeCall],
+    requests: AsyncIterator[pb.NodeCall | Undecodable],
     context: grpc.aio.ServicerContext,
 ) -> None:
     """Answer the stream's calls concurrently (a BeginSaveNode waits at the barrier while
@@ -72,6 +73,8 @@ async def serve(
     async def read() -> None:
         try:
             async for msg in requests:
+                if isinstance(msg, Undecodable):  # the call guard's lenient decoding
+                    await errors.abort(context, msg.error("NodeSession"))
                 if len(tasks) >= MAX_IN_FLIGHT:
                     e = InvalidRequest(
                         f"node session from {context.peer()}: {len(tasks)} calls in flight, the "
@@ -145,8 +148,9 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 # -- the aggregator's side --------------------------------------------------------------
 class SessionUpstream:
     """An aggregator's upstream over one NodeSession stream, opened when first needed and
-    again after it broke (not sooner than `reopen_after_s`); `fallback`, the unary
-    upstream, carries every call the stream cannot. Runs on the aggregator's event loop.
+    again after it broke (`reopen_after_s` later, doubling while it breaks with no answer
+    between); `fallback`, the unary upstream, carries every call the stream cannot. Runs
+    on the aggregator's event loop.
 
     `open_session()` starts the stream call (with the token in its metadata);
     `on_begin(answers)` sees each BeginSaveNode answer (the client learns its lease)."""
@@ -170,6 +174,7 @@ class SessionUpstream:
         self._write = asyncio.Lock()  # one write at a time on a gRPC stream
         self._broken_at = float("-inf")
         self._unsupported = False  # an older coordinator without NodeSession
+        self._failures = 0  # breaks in a row with no answer between
         self.calls_sent = 0  # calls this stream carried (the bench counts them)
         self.fell_back = 0  # calls the unary path carried instead
 
@@ -268,7 +273,11 @@ class SessionUpstream:
     def _stream(self) -> grpc.aio.StreamStreamCall | None:
         if self._call is not None:
             return self._call
-        if self._unsupported or time.monotonic() - self._broken_at < self.reopen_after_s:
+        # After each break in a row with no answer between, wait twice as long (up to
+        # 5 min): an older coordinator's UNIMPLEMENTED is not always seen (a write that
+        # failed first reports INTERNAL), nor is a network that keeps dropping the stream.
+        wait = min(self.reopen_after_s * 2 ** max(0, self._failures - 1), 300.0)
+        if self._unsupported or time.monotonic() - self._broken_at < wait:
             return None
         try:
             call = self._open()
@@ -287,23 +296,24 @@ class SessionUpstream:
                 got = await call.read()
                 if got is grpc.aio.EOF:
                     break
+                self._failures = 0
                 fut = self._pending.get(got.id)
                 if fut is not None and not fut.done():
                     fut.set_result(got)
         except grpc.RpcError as e:
             code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
-            if code == grpc.StatusCode.UNIMPLEMENTED:
-                self._unsupported = True  # an older coordinator: unary from now on
             why = f"{code.name if code else type(e).__name__}: {e.details() if code else e}"
         except asyncio.CancelledError:
-            why = "closed"
+            self._broken(call, "closed")
+            return
+        await self._ended(call)
         self._broken(call, why)
 
     async def _ended(self, call: grpc.aio.StreamStreamCall) -> None:
-        """After a failed write: an older coordinator's UNIMPLEMENTED is learnt here too
-        (the write can fail before the reader sees the status)."""
+        """The ended stream's status: an older coordinator's UNIMPLEMENTED sends every call
+        by unary from now on (learnt by the reader, or by a write that failed first)."""
         try:
-            code = await asyncio.wait_for(call.code(), 1.0)
+            code = await asyncio.wait_for(call.code(), 5.0)
         except (TimeoutError, grpc.RpcError):
             return
         if code == grpc.StatusCode.UNIMPLEMENTED:
@@ -314,6 +324,7 @@ class SessionUpstream:
             return
         self._call = None
         self._broken_at = time.monotonic()
+        self._failures += 1
         call.cancel()
         if self._pending:
             log.info("node session broke (%s): %d call(s) go by unary", why, len(self._pending))
