@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from coordinator_fixtures import ServerThread, free_port, new_core, wait_for
+from coordinator_fixtures import ServerThread, free_port, make_certs, new_core, wait_for
 
 from ckptd.errors import InvalidRequest, SaveAborted
 from ckptd.server import node_session
@@ -267,6 +267,26 @@ def test_a_coordinator_restart_moves_calls_to_unary_and_the_session_comes_back(
         sent = agg.session.calls_sent
         assert rank.begin_save_pb(begin_req(job, 0, 1, step=3)).complete
         assert agg.session.calls_sent == sent + 1, "the session did not come back"
+    finally:
+        rank.close()
+        agg.close()
+        client.close()
+        s.stop()
+
+
+def test_the_session_runs_over_tls_with_the_clients_credentials(tmp_path: Path) -> None:
+    """The aggregator opens its session with the client's own TLS credentials and token."""
+    certs = make_certs(tmp_path / "certs")
+    if certs is None:
+        pytest.skip("openssl is not installed")
+    opts = ServerOptions(token=TOKEN, tls_cert=certs["server.pem"], tls_key=certs["server.key"])
+    s = ServerThread(tmp_path / "root", options=opts, lease_s=30, host="localhost")
+    client = CoordinatorClient(s.address, token=TOKEN, root_certificates=certs["ca.pem"])
+    _, job = client.open_job("job", "a")
+    agg, rank = aggregator(client, [0])
+    try:
+        assert rank.begin_save_pb(begin_req(job, 0, 1)).complete
+        assert (agg.session.calls_sent, agg.session.fell_back) == (1, 0)
     finally:
         rank.close()
         agg.close()
