@@ -172,6 +172,7 @@ class SessionUpstream:
         self._pending: dict[int, asyncio.Future[pb.NodeAnswer | None]] = {}
         self._ids = itertools.count(1)
         self._write = asyncio.Lock()  # one write at a time on a gRPC stream
+        self._readers: set[asyncio.Task[None]] = set()  # the stream's reader (and a broken one's)
         self._broken_at = float("-inf")
         self._unsupported = False  # an older coordinator without NodeSession
         self._failures = 0  # breaks in a row with no answer between
@@ -230,10 +231,16 @@ class SessionUpstream:
         return await self.fallback.abort_save(req)
 
     async def close(self) -> None:
+        """End the stream and wait for its reader: nothing of it may outlive the loop."""
         call, self._call = self._call, None
         if call is not None:
             call.cancel()
         self._fail_pending()
+        readers, self._readers = self._readers, set()
+        for t in readers:
+            t.cancel()
+        if readers:
+            await asyncio.wait(readers)
 
     # -- the stream -----------------------------------------------------------------------
     async def _ask(
@@ -286,7 +293,9 @@ class SessionUpstream:
             log.debug("node session: cannot open: %s", e)
             return None
         self._call = call
-        asyncio.get_running_loop().create_task(self._read(call))
+        reader = asyncio.get_running_loop().create_task(self._read(call))
+        self._readers.add(reader)
+        reader.add_done_callback(self._readers.discard)
         return call
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
