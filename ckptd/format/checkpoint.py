@@ -38,10 +38,12 @@ from ckptd.errors import (
 from ckptd.faults import crash_point
 from ckptd.format import hashing, layout, values
 from ckptd.format.manifest import (
+    BlockRun,
     IndexEntry,
     Manifest,
     ShardIndex,
     ShardInfo,
+    entry_pieces,
     parse_index,
     parse_manifest,
 )
@@ -84,13 +86,18 @@ class OpenCheckpoint:
     files: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        block = self.manifest.block_size
+        # Each entry's pieces (entry_pieces: the one rule for where its bytes are), by entry.
+        self._pieces: dict[int, list[IndexEntry]] = {
+            id(e): entry_pieces(e, block) for idx in self.indexes for e in idx.entries
+        }
         if not self.files:
             own = [self.shard_path(s) for s in self.manifest.shards]
             lent = {
-                layout.job_path(self.step, e.file)
-                for idx in self.indexes
-                for e in idx.entries
-                if e.borrowed_from is not None
+                layout.job_path(self.step, p.file)
+                for ps in self._pieces.values()
+                for p in ps
+                if layout.split_borrowed(p.file) is not None
             }
             self.files = own + sorted(lent - set(own))
         self._file_no = {f: i for i, f in enumerate(self.files)}
@@ -99,30 +106,36 @@ class OpenCheckpoint:
     def step(self) -> int:
         return self.manifest.step
 
-    def entry_path(self, entry: IndexEntry) -> str:
-        """The file holding the entry's bytes, relative to the job directory (its own
-        shard, or an earlier step's it borrows from)."""
-        return layout.job_path(self.step, entry.file)
+    def pieces(self, entry: IndexEntry) -> list[tuple[int, IndexEntry]]:
+        """(file number, piece) of where each part of an entry of this step is stored, in
+        the entry's order (manifest.entry_pieces): a piece is an entry of that file, and
+        `piece.start` is where it begins in `entry`. One piece for all but an entry of
+        which only some blocks are borrowed."""
+        got = self._pieces.get(id(entry))
+        if got is None:  # an entry of this step passed as a copy
+            got = entry_pieces(entry, self.manifest.block_size)
+        return [(self._file_no[layout.job_path(self.step, p.file)], p) for p in got]
 
     def file_no(self, path: str) -> int:
-        """The position of a file of `files` (entry_path)."""
+        """The position of a file of `files` (relative to the job directory)."""
         return self._file_no[path]
 
     def stored(self) -> Iterator[tuple[int, IndexEntry]]:
-        """(file number, entry) of every entry: a stored range is (file, entry.offset)."""
+        """(file number, piece) of every stored range of every entry: a stored range is
+        (file, piece.offset), and no two pieces of a step share one (check_borrowed)."""
         for idx in self.indexes:
             for e in idx.entries:
-                yield self._file_no[self.entry_path(e)], e
+                yield from self.pieces(e)
 
     @property
     def owned_bytes(self) -> int:
         """Bytes of the entries this step holds in its own shards."""
-        return sum(e.length for i in self.indexes for e in i.entries if e.borrowed_from is None)
+        return sum(p.length for _, p in self.stored() if layout.split_borrowed(p.file) is None)
 
     @property
     def borrowed_bytes(self) -> int:
-        """Bytes of the entries it reads from earlier steps' files."""
-        return sum(e.length for i in self.indexes for e in i.entries if e.borrowed_from is not None)
+        """Bytes of the entries it reads from earlier steps' files (whole entries or blocks)."""
+        return sum(p.length for _, p in self.stored() if layout.split_borrowed(p.file) is not None)
 
     @property
     def step_dir(self) -> str:
@@ -391,51 +404,66 @@ def open_checkpoint(
 
 
 def check_borrowed(storage: Storage, m: Manifest, indexes: Iterable[ShardIndex]) -> None:
-    """Every borrowed entry names a committed step the manifest lists, a shard of it that
-    is there with its recorded size, and a range inside it, no two entries the same range.
+    """Every borrowed piece (a whole entry, or blocks of one: manifest.entry_pieces) names
+    a committed step the manifest lists, a shard of it that is there with its recorded size,
+    and a range inside it, no two pieces overlapping.
 
     The bytes themselves are checked when they are read, against the borrowing entry's own
     block hashes (which the lending step's index also holds: the save matched them)."""
     lenders: dict[int, dict[str, ShardInfo]] = {}
-    seen: set[tuple[str, int]] = set()
+    taken: dict[str, list[tuple[int, int, str]]] = {}
     for idx in indexes:
         for e in idx.entries:
-            lent = layout.split_borrowed(e.file)
-            if lent is None:
-                continue
-            k, name = lent
-            where = f"job {storage.url} step {m.step} rank {idx.rank} key {e.key!r} (file {e.file})"
-            if k not in lenders:
-                try:
-                    lm = read_manifest(storage, k)
-                except CkptError as err:
-                    raise CheckpointNotFound(
-                        f"{where}: borrows its bytes from step {k}, which is not a committed "
-                        f"step ({err}); step {m.step} is not whole: load an earlier step"
-                    ) from None
-                lenders[k] = {s.path: s for s in lm.shards}
-                for s in lm.shards:
-                    check_shard_size(storage, lm, s)
-            shard = lenders[k].get(name)
-            if shard is None:
-                raise InvalidManifest(
-                    f"{where}: step {k} has no shard {name!r}; the index was altered"
+            for p in entry_pieces(e, m.block_size):
+                lent = layout.split_borrowed(p.file)
+                if lent is None:
+                    continue
+                k, name = lent
+                where = (
+                    f"job {storage.url} step {m.step} rank {idx.rank} key {e.key!r} "
+                    f"(file {p.file}, blocks {p.first_block}..{p.first_block + len(p.blake3)})"
                 )
-            if e.offset + e.length > shard.size or (e.file, e.offset) in seen:
+                if k not in lenders:
+                    try:
+                        lm = read_manifest(storage, k)
+                    except CkptError as err:
+                        raise CheckpointNotFound(
+                            f"{where}: borrows its bytes from step {k}, which is not a "
+                            f"committed step ({err}); step {m.step} is not whole: load an "
+                            "earlier step"
+                        ) from None
+                    lenders[k] = {s.path: s for s in lm.shards}
+                    for s in lm.shards:
+                        check_shard_size(storage, lm, s)
+                shard = lenders[k].get(name)
+                if shard is None:
+                    raise InvalidManifest(
+                        f"{where}: step {k} has no shard {name!r}; the index was altered"
+                    )
+                if p.offset + p.length > shard.size:
+                    raise InvalidManifest(
+                        f"{where}: bytes {p.offset}..{p.offset + p.length} are not a range of "
+                        f"its {shard.size}-byte shard; the index was altered"
+                    )
+                taken.setdefault(p.file, []).append((p.offset, p.offset + p.length, where))
+    for file, ranges in taken.items():
+        ranges.sort()
+        for (_, end, _), (lo, hi, where) in zip(ranges, ranges[1:], strict=False):
+            if lo < end:
                 raise InvalidManifest(
-                    f"{where}: bytes {e.offset}..{e.offset + e.length} are not a range of its "
-                    f"{shard.size}-byte shard that one entry borrows; the index was altered"
+                    f"{where}: bytes {lo}..{hi} of {file} are borrowed by another entry of "
+                    "this step too; the index was altered"
                 )
-            seen.add((e.file, e.offset))
 
 
 def borrowable(storage: Storage, step: int | None, rank: int) -> dict[tuple[Any, ...], IndexEntry]:
     """What an incremental save of `rank` may borrow from committed `step` (its base): the
     entries of that step's shard of the same rank, by (key, dtype, shape, chunk offsets and
-    sizes), each naming the file that holds its bytes as a sibling step sees it (a borrowed
-    entry names its lender's file: references never chain). Empty when `step` is None, not
-    committed, quarantined, or written with another block size; only the same rank's index
-    is read (a save of stable layout writes each chunk from the same rank every step)."""
+    sizes), each naming the files that hold its bytes as a sibling step sees them (a
+    borrowed entry or block names its lender's file: references never chain). Empty when
+    `step` is None, not committed, quarantined, or written with another block size; only the
+    same rank's index is read (a save of stable layout writes each chunk from the same rank
+    every step)."""
     if step is None:
         return {}
     try:
@@ -450,11 +478,56 @@ def borrowable(storage: Storage, step: int | None, rank: int) -> dict[tuple[Any,
         return {}  # no base: the save writes everything
     out: dict[tuple[Any, ...], IndexEntry] = {}
     for e in index.entries:
-        file = e.file if e.borrowed_from is not None else layout.borrowed_file(step, e.file)
         lent = copy.copy(e)  # every field the entry has: what they say of the bytes holds
-        lent.file = file
+        if layout.split_borrowed(e.file) is None:
+            lent.file = layout.borrowed_file(step, e.file)
         out[borrow_key(e)] = lent
     return out
+
+
+def block_sources(e: IndexEntry, block: int) -> list[tuple[str, int]]:
+    """(file, offset) of every block of entry `e` (manifest.entry_pieces, block by block)."""
+    out: list[tuple[str, int]] = []
+    for p in entry_pieces(e, block):
+        out += [(p.file, p.offset + i * block) for i in range(len(p.blake3))]
+    return out
+
+
+def reuse_blocks(
+    old: IndexEntry, digests: list[str], block: int, own_file: str
+) -> IndexEntry | None:
+    """An entry of `digests` that borrows every block equal to `old`'s (an entry of the
+    base, as `borrowable` gives it) and holds the others in `own_file` (at an offset the
+    caller sets); None when no block is equal. Runs of neighbouring blocks stored one after
+    another in one lender's file become one run; an entry all of whose blocks are one run
+    borrows the entry whole (format version 3, not 4)."""
+    if len(old.blake3) != len(digests):
+        return None
+    same = [a == b for a, b in zip(old.blake3, digests, strict=True)]
+    if not any(same):
+        return None
+    src = block_sources(old, block)
+    runs: list[BlockRun] = []
+    for b, (file, off) in enumerate(src):
+        if not same[b]:
+            continue
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last.block + last.count == b
+            and last.file == file
+            and last.offset + last.count * block == off
+        ):
+            runs[-1] = dataclasses.replace(last, count=last.count + 1)
+        else:
+            runs.append(BlockRun(b, 1, file, off))
+    new = copy.copy(old)
+    new.blake3 = list(digests)
+    if len(runs) == 1 and runs[0].count == len(digests):
+        new.file, new.offset, new.borrowed_blocks = runs[0].file, runs[0].offset, []
+        return new
+    new.file, new.offset, new.borrowed_blocks = own_file, 0, runs
+    return new
 
 
 def borrow_key(e: Any) -> tuple[Any, ...]:
@@ -624,16 +697,18 @@ def verify_checkpoint(
         # from the lenders' files and checked against this index's hashes.
         by_file: dict[str, list[IndexEntry]] = {}
         for ent in index.entries:
-            by_file.setdefault(layout.job_path(step, ent.file), []).append(ent)
+            for p in entry_pieces(ent, m.block_size):
+                by_file.setdefault(layout.job_path(step, p.file), []).append(p)
+        own_path = f"{layout.step_dir(step)}/{shard.path}"
         for path, entries in by_file.items():
             if level == "full":
                 problems = verify_entries(
                     storage, path, entries, m.block_size, threads=threads, progress=progress
                 )
                 report.problems.extend(f"rank {shard.rank}: {p}" for p in problems)
-        report.bytes_checked += shard.size + sum(
-            ent.length for ent in index.entries if ent.borrowed_from is not None
-        )
+            if path != own_path:
+                report.bytes_checked += sum(p.length for p in entries)
+        report.bytes_checked += shard.size
     for tag, key in values.tensor_refs(m.state):
         if key not in keys and not report.problems:
             report.problems.append(
