@@ -376,8 +376,9 @@ def test_wrong_format_version_says_upgrade(job, saved):
 
 
 def test_index_with_wrong_version(job, saved):
-    edit_index(job, 1, lambda d: d.__setitem__("version", 4))
-    assert "upgrade" in expect_rejected(job, ckpt.InvalidManifest).lower()
+    edit_index(job, 1, lambda d: d.__setitem__("version", 5))  # 4: block references
+    msg = expect_rejected(job, ckpt.InvalidManifest)
+    assert "upgrade" in msg.lower() and "5" in msg
 
 
 @pytest.mark.parametrize(
