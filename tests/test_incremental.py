@@ -511,9 +511,9 @@ def test_only_the_changed_blocks_of_an_entry_reach_storage(tmp_path: Path, small
         [11, 4, lender, 11 * BLOCK],
     ]
     assert (job / "step-000000000002/shards/rank-00000.bin").stat().st_size == 3 * BLOCK
-    # The index is version 4 (an older reader would misread it); the manifest stays 3.
+    # The index and the manifest are version 4 (an older reader would misread the entry).
     assert read_json(job / "step-000000000002/shards/rank-00000.json")["version"] == 4
-    assert read_json(job / "step-000000000002/MANIFEST.json")["version"] == 3
+    assert read_json(job / "step-000000000002/MANIFEST.json")["version"] == 4
     assert ckfmt.read_manifest(open_storage(str(job)), 2).borrows == [1]
     for step, want in ((1, emb), (2, emb2)):
         got = {"emb": torch.zeros(ROWS, DIM)}
@@ -753,11 +753,21 @@ def test_a_block_lender_the_manifest_does_not_list_is_refused(
 def test_an_older_reader_refuses_an_index_with_block_references(
     emb_job: tuple[Path, dict[int, dict]], monkeypatch: pytest.MonkeyPatch, tally
 ) -> None:
+    """An older ckptd lists the step as unreadable (its manifest is version 4), so a load
+    skips it without judging it corrupt (no quarantine) and retention keeps what it may
+    borrow; a step that borrows only whole entries stays version 3 for it."""
     job, _ = emb_job
-    monkeypatch.setattr(mf, "INDEX_READ_VERSIONS", (1, 2, 3))  # ckptd before version 4
-    with tally.bad_input("incremental: a version-4 index read by an older ckptd"):
+    monkeypatch.setattr(mf, "READ_VERSIONS", (1, 2, 3))  # ckptd before version 4
+    monkeypatch.setattr(mf, "INDEX_READ_VERSIONS", (1, 2, 3))
+    with tally.bad_input("incremental: a version-4 step read by an older ckptd"):
         with pytest.raises(InvalidManifest, match="version 4 is not supported.*upgrade ckptd"):
             ckfmt.open_checkpoint(open_storage(str(job)), 3)
+    st = open_storage(str(job))
+    listed = {s.step: s.status for s in ckfmt.list_steps(st)}
+    assert listed == {1: ckfmt.COMMITTED, 2: ckfmt.INVALID, 3: ckfmt.INVALID}
+    got = emb_blank()
+    assert ckpt.load(got, str(job)).step == 1  # the newest step it can read
+    assert ckfmt.quarantine_reason(st, 3) is None and ckfmt.quarantine_reason(st, 2) is None
 
 
 def test_retention_and_gc_keep_every_block_lender(tmp_path: Path, small_blocks) -> None:

@@ -15,14 +15,14 @@ step) skips it. Removing the marker puts the step back.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 from ckptd import knobs
 from ckptd.errors import (
@@ -38,12 +38,12 @@ from ckptd.errors import (
 from ckptd.faults import crash_point
 from ckptd.format import hashing, layout, values
 from ckptd.format.manifest import (
-    BlockRun,
     IndexEntry,
     Manifest,
     ShardIndex,
     ShardInfo,
     entry_pieces,
+    load_json,
     parse_index,
     parse_manifest,
 )
@@ -456,86 +456,6 @@ def check_borrowed(storage: Storage, m: Manifest, indexes: Iterable[ShardIndex])
                 )
 
 
-def borrowable(storage: Storage, step: int | None, rank: int) -> dict[tuple[Any, ...], IndexEntry]:
-    """What an incremental save of `rank` may borrow from committed `step` (its base): the
-    entries of that step's shard of the same rank, by (key, dtype, shape, chunk offsets and
-    sizes), each naming the files that hold its bytes as a sibling step sees them (a
-    borrowed entry or block names its lender's file: references never chain). Empty when
-    `step` is None, not committed, quarantined, or written with another block size; only the
-    same rank's index is read (a save of stable layout writes each chunk from the same rank
-    every step)."""
-    if step is None:
-        return {}
-    try:
-        m = read_manifest(storage, step)
-        if quarantine_reason(storage, step) is not None or m.block_size != knobs.get().block_size:
-            return {}
-        shard = next((s for s in m.shards if s.rank == rank), None)
-        if shard is None:
-            return {}
-        index = read_index(storage, m, shard, max_entries=knobs.get().max_entries_per_shard)
-    except CkptError:
-        return {}  # no base: the save writes everything
-    out: dict[tuple[Any, ...], IndexEntry] = {}
-    for e in index.entries:
-        lent = copy.copy(e)  # every field the entry has: what they say of the bytes holds
-        if layout.split_borrowed(e.file) is None:
-            lent.file = layout.borrowed_file(step, e.file)
-        out[borrow_key(e)] = lent
-    return out
-
-
-def block_sources(e: IndexEntry, block: int) -> list[tuple[str, int]]:
-    """(file, offset) of every block of entry `e` (manifest.entry_pieces, block by block)."""
-    out: list[tuple[str, int]] = []
-    for p in entry_pieces(e, block):
-        out += [(p.file, p.offset + i * block) for i in range(len(p.blake3))]
-    return out
-
-
-def reuse_blocks(
-    old: IndexEntry, digests: list[str], block: int, own_file: str
-) -> IndexEntry | None:
-    """An entry of `digests` that borrows every block equal to `old`'s (an entry of the
-    base, as `borrowable` gives it) and holds the others in `own_file` (at an offset the
-    caller sets); None when no block is equal. Runs of neighbouring blocks stored one after
-    another in one lender's file become one run; an entry all of whose blocks are one run
-    borrows the entry whole (format version 3, not 4)."""
-    if len(old.blake3) != len(digests):
-        return None
-    same = [a == b for a, b in zip(old.blake3, digests, strict=True)]
-    if not any(same):
-        return None
-    src = block_sources(old, block)
-    runs: list[BlockRun] = []
-    for b, (file, off) in enumerate(src):
-        if not same[b]:
-            continue
-        last = runs[-1] if runs else None
-        if (
-            last is not None
-            and last.block + last.count == b
-            and last.file == file
-            and last.offset + last.count * block == off
-        ):
-            runs[-1] = dataclasses.replace(last, count=last.count + 1)
-        else:
-            runs.append(BlockRun(b, 1, file, off))
-    new = copy.copy(old)
-    new.blake3 = list(digests)
-    if len(runs) == 1 and runs[0].count == len(digests):
-        new.file, new.offset, new.borrowed_blocks = runs[0].file, runs[0].offset, []
-        return new
-    new.file, new.offset, new.borrowed_blocks = own_file, 0, runs
-    return new
-
-
-def borrow_key(e: Any) -> tuple[Any, ...]:
-    """What must be equal for a chunk to borrow an earlier step's entry (besides its
-    bytes' block hashes): key, dtype, global shape and the box."""
-    return (e.key, e.dtype, tuple(e.shape), tuple(e.chunk_offsets), tuple(e.chunk_sizes))
-
-
 def read_index(storage: Storage, m: Manifest, shard: ShardInfo, *, max_entries: int) -> ShardIndex:
     path = f"{layout.step_dir(m.step)}/{shard.index}"
     where = _where(storage, m.step, shard.index)
@@ -632,6 +552,9 @@ def commit(storage: Storage, m: Manifest) -> bytes:
             f"step {m.step}: shards of ranks {sorted(s.rank for s in m.shards)} reported, "
             f"world size is {m.world_size}; refusing to commit"
         )
+    # A step whose indexes borrow blocks is version 4 as a whole (manifest.py): only the
+    # indexes that borrow can be, and only their header is read.
+    m.index_version = max((index_version(storage, m, s) for s in m.shards if s.borrows), default=0)
     data = m.to_bytes()
     # Create-only: a manifest is never replaced (atomically so where the store offers it).
     # The crash point fires with the manifest's bytes durable but not yet visible.
@@ -641,6 +564,26 @@ def commit(storage: Storage, m: Manifest) -> bytes:
         before_publish=lambda: crash_point("coordinator.mid_manifest"),
     )
     return data
+
+
+_INDEX_HEAD = re.compile(rb'^\{"format":"ckptd-shard-index","version":(\d{1,3}),')
+
+
+def index_version(storage: Storage, m: Manifest, shard: ShardInfo) -> int:
+    """The format version of a shard's index, from its first bytes (as the writer lays
+    them out), else from the whole index."""
+    path = f"{layout.step_dir(m.step)}/{shard.index}"
+    handle = storage.open_read(path)
+    try:
+        head = handle.read(0, min(96, shard.index_size)).tobytes()
+    finally:
+        handle.close()
+    got = _INDEX_HEAD.match(head)
+    if got is not None:
+        return int(got.group(1))
+    doc = load_json(storage.read_bytes(path, limit=shard.index_size), path)
+    version = doc.get("version") if isinstance(doc, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) else 0
 
 
 def remove_step(storage: Storage, step: int) -> None:

@@ -33,14 +33,14 @@ FORMAT_VERSION = 2
 # so every other step stays version 2 and readable by older ckptd; those refuse version 3
 # ("upgrade ckptd") rather than read a shard that lacks the borrowed bytes.
 BORROWING_VERSION = 3
-# Index version 4: an entry's blocks may lie in several files (`borrowed_blocks`: the
-# unchanged blocks of a partly changed entry name the lender's file and offset, the changed
-# ones are in the step's own shard). Written only by an index that has such an entry; a
-# version-3 reader would read such an entry's bytes from one place and misread it, so it
-# refuses the index ("upgrade ckptd"). The manifest stays version 3: its fields mean what
-# they meant (`borrows` lists every step any block is borrowed from).
+# Version 4: an entry's blocks may lie in several files (`borrowed_blocks`: the unchanged
+# blocks of a partly changed entry name the lender's file and offset, the changed ones are
+# in the step's own shard). Written only by an index that has such an entry and by the
+# manifest of its step (ckptd.format.checkpoint.commit). A version-3 reader would read such
+# an entry from one place; it refuses the index, and the manifest too, so that it lists
+# the step as unreadable (and keeps what it may borrow) rather than judge it corrupt.
 BLOCK_BORROWING_VERSION = 4
-READ_VERSIONS = (1, 2, 3)
+READ_VERSIONS = (1, 2, 3, 4)
 INDEX_READ_VERSIONS = (1, 2, 3, 4)
 MAX_DIMS = values.MAX_DIMS  # one limit for entries' shapes and views' strides
 MAX_KEY_LEN = 4096
@@ -197,6 +197,9 @@ class Manifest:
     # The step this state descends from (the job's last save or load before it); None:
     # not recorded (a job's first save, or a manifest written before lineage was).
     parent: int | None = None
+    # The highest format version of its shard indexes, when known (not a field of its own:
+    # the manifest's version is at least this; set at commit, and by parsing).
+    index_version: int = 0
 
     @property
     def borrows(self) -> list[int]:
@@ -205,9 +208,13 @@ class Manifest:
         return sorted({k for s in self.shards for k in s.borrows})
 
     def to_bytes(self) -> bytes:
+        if self.index_version >= BLOCK_BORROWING_VERSION:
+            version = BLOCK_BORROWING_VERSION
+        else:
+            version = BORROWING_VERSION if self.borrows else FORMAT_VERSION
         doc = {
             "format": FORMAT_NAME,
-            "version": BORROWING_VERSION if self.borrows else FORMAT_VERSION,
+            "version": version,
             "job": self.job,
             "step": self.step,
             "generation": self.generation,
@@ -374,6 +381,7 @@ def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:
         metadata=metadata,
         created_unix=float(created),
         parent=parent,
+        index_version=doc["version"],
     )
 
 

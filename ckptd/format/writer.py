@@ -318,10 +318,10 @@ class ShardWriter:
         The items must tile the file (packed, format version 2): a layout with a gap is
         the caller's bug, refused before the file is made durable. `borrowed`: entries of
         an incremental save whose bytes earlier committed steps hold (their `file`, or
-        their `borrowed_blocks`, name them: ckptd.format.checkpoint.borrowable); listed in
+        their `borrowed_blocks`, name them: ckptd.format.incremental.borrowable); listed in
         the index after the items, never written or re-read here (docs/format.md, Borrowed
         entries). `split`: (first, count, entry) of an entry only some blocks of which
-        changed (checkpoint.reuse_blocks): items[first:first + count] are its changed blocks
+        changed (incremental.reuse_blocks): items[first:first + count] are its changed blocks
         (a run each, neighbours in the file), the rest it borrows; the index lists it as
         one entry at items[first]'s offset."""
         if verify not in ("full", "size"):

@@ -21,7 +21,7 @@ An incremental save (SaveOptions.incremental) is given, before the layout is fix
 its base (the step it descends from) holds for this rank (`borrow_from`): of an assigned
 entry, every block whose hash equals the same block of the base's entry of the same key
 and box is not written, and the index entry borrows it from the step that holds it
-(checkpoint.reuse_blocks); the packed file holds only the changed blocks, each run of
+(ckptd.format.incremental); the packed file holds only the changed blocks, each run of
 them a write unit (`units`) at its packed place. An entry with no changed block borrows
 whole (format version 3 when one lender's file holds it in one run).
 """
@@ -39,7 +39,7 @@ from ckptd import knobs
 from ckptd.coordinator.core import SaveRef
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.format import layout
-from ckptd.format.checkpoint import borrow_key, reuse_blocks
+from ckptd.format.incremental import borrow_key, reuse_blocks
 from ckptd.format.manifest import IndexEntry, ShardInfo, entry_pieces, own_part
 from ckptd.format.writer import ShardWriter, ShardWriteStats, WriteItem, hash_items, plan_offsets
 from ckptd.storage import Storage
@@ -120,7 +120,7 @@ class SaveJob:
         self.offsets: list[int] = []
         self.size = 0
         self.writer: ShardWriter | None = None
-        # An incremental save's base entries (checkpoint.borrowable), the assigned entries
+        # An incremental save's base entries (incremental.borrowable), the assigned entries
         # that borrow all their blocks instead of being written, and those that borrow some
         # (by image position; for `split`, the index entry and its units' first and count).
         self.base: dict[tuple[Any, ...], IndexEntry] = {}
