@@ -557,6 +557,8 @@ def test_resharding_loads_read_across_block_references(
 
     job, states = emb_job
     ck = ckfmt.open_checkpoint(open_storage(str(job)), 3)
+    pieces = ck.pieces(ck.chunks["emb"][0].entry)  # in three files: 1's, 2's and its own
+    assert len(pieces) == 6 and len({f for f, _ in pieces}) == 3
     want = states[3]["emb"]
     for rows, cols in (((30, 700), (0, DIM)), ((150, 100), (10, 50)), ((0, ROWS), (0, DIM))):
         out = torch.zeros(rows[1], cols[1])
