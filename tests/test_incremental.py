@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 from ckpt_testutil import edit_index, edit_manifest, flip_bit, read_json, tensor_raw
-from coordinator_fixtures import ckptctl, ckptctl_json, wait_for
+from coordinator_fixtures import ckptctl, ckptctl_json, spawn_ranks, wait_for
+from ranks import shared_read_worker
 
 import ckpt
 from ckpt import _shared_read as sr
@@ -742,6 +743,18 @@ def test_block_references_in_an_older_index_version_are_refused(
             ckfmt.open_checkpoint(open_storage(str(job)), 3)
 
 
+def test_a_version_4_index_under_a_version_3_manifest_is_refused(
+    emb_job: tuple[Path, dict[int, dict]], tally
+) -> None:
+    """The manifest's version bounds its indexes': one set back (so that an older ckptd
+    would read the step and misjudge it) is refused, naming the index and the step."""
+    job, _ = emb_job
+    edit_manifest(job, 3, lambda m: m.__setitem__("version", 3))
+    with tally.bad_input("incremental: a version-4 index under a version-3 manifest"):
+        with pytest.raises(InvalidManifest, match="format version 4, but the manifest of step 3"):
+            ckfmt.open_checkpoint(open_storage(str(job)), 3)
+
+
 def test_a_block_lender_the_manifest_does_not_list_is_refused(
     emb_job: tuple[Path, dict[int, dict]], tally
 ) -> None:
@@ -760,7 +773,6 @@ def test_an_older_reader_refuses_an_index_with_block_references(
     borrow; a step that borrows only whole entries stays version 3 for it."""
     job, _ = emb_job
     monkeypatch.setattr(mf, "READ_VERSIONS", (1, 2, 3))  # ckptd before version 4
-    monkeypatch.setattr(mf, "INDEX_READ_VERSIONS", (1, 2, 3))
     with tally.bad_input("incremental: a version-4 step read by an older ckptd"):
         with pytest.raises(InvalidManifest, match="version 4 is not supported.*upgrade ckptd"):
             ckfmt.open_checkpoint(open_storage(str(job)), 3)
@@ -825,3 +837,43 @@ def test_a_partial_save_past_the_staging_budget(tmp_path: Path, small_blocks) ->
     got = {"emb": torch.zeros(ROWS, DIM)}
     ckpt.load(got, str(job), step=2, fallback=False)
     assert tensor_raw(got["emb"]) == tensor_raw(emb2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_four_ranks_share_a_load_of_borrowed_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four gloo ranks save step 2 incrementally with a few elements changed, then load it
+    with the shared read plan: every stored byte (the lender's blocks and the step's own)
+    is read from storage once for the job, and every rank's values are bit-exact."""
+    monkeypatch.setenv("CKPT_BLOCK_SIZE", str(BLOCK))
+    world, job, out = 4, tmp_path / "job", tmp_path / "out"
+    out.mkdir()
+
+    def run(mode: str) -> list[dict]:
+        spawn_ranks(
+            shared_read_worker.entry,
+            world,
+            lambda r, port: (r, world, port, mode, str(job), str(out)),
+            out,
+            log_name=lambda r: f"{shared_read_worker._name(mode)}-rank{r}.log",
+            timeout=180,
+        )
+        name = shared_read_worker._name(mode)
+        results = [read_json(str(out / f"{name}-rank{r}.json")) for r in range(world)]
+        for res in results:
+            assert not res.get("error"), res
+            assert res["checks"] and all(res["checks"].values()), res["checks"]
+        return results
+
+    run("save-rows")
+    st = open_storage(str(job))
+    ck = ckfmt.open_checkpoint(st, 2)
+    split = {e.key for i in ck.indexes for e in i.entries if e.borrowed_blocks}
+    assert {"rep.0", "rep.3", "half"} <= split, split
+    assert ck.borrowed_bytes > 0 and ck.manifest.borrows == [1]
+    stored = sum(p.length for _, p in ck.stored())
+    loaded = run("load:auto:rows")
+    assert all(r["result"]["step"] == 2 for r in loaded)
+    assert sum(r["read_bytes"] for r in loaded) == stored

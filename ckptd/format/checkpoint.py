@@ -4,7 +4,10 @@ Storage alone describes every checkpoint (promise 6): a step is committed exactl
 its MANIFEST.json exists and parses; everything else in a step directory is either part
 of a committed step or debris of a save that never committed. Opening a step checks the
 manifest, every index against the digest the manifest holds, and every shard's size,
-before a single tensor byte is read.
+before a single tensor byte is read. An entry's bytes may lie in earlier steps' files (an
+incremental save borrows whole entries or blocks of them): `OpenCheckpoint.pieces` says
+where each part is (manifest.entry_pieces), and `check_borrowed` that each lender is
+committed and holds the range, before a byte is read.
 
 A committed step that later fails verification on load is *quarantined*: a
 `QUARANTINED.json` marker (reason, time, host) is written into its directory, atomically.

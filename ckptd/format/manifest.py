@@ -41,7 +41,6 @@ BORROWING_VERSION = 3
 # the step as unreadable (and keeps what it may borrow) rather than judge it corrupt.
 BLOCK_BORROWING_VERSION = 4
 READ_VERSIONS = (1, 2, 3, 4)
-INDEX_READ_VERSIONS = (1, 2, 3, 4)
 MAX_DIMS = values.MAX_DIMS  # one limit for entries' shapes and views' strides
 MAX_KEY_LEN = 4096
 MAX_ELEMENTS = 1 << 62
@@ -287,13 +286,13 @@ def _int_list(v: Any, name: str, what: str) -> list[int]:
     return list(v)
 
 
-def _check_header(doc: Any, fmt: str, what: str, index: bool = False) -> dict[str, Any]:
+def _check_header(doc: Any, fmt: str, what: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise InvalidManifest(f"{what}: top level must be a JSON object")
     if doc.get("format") != fmt:
         raise InvalidManifest(f"{what}: not a {fmt} file (format={doc.get('format')!r})")
     version = doc.get("version")
-    versions = INDEX_READ_VERSIONS if index else READ_VERSIONS
+    versions = READ_VERSIONS
     if isinstance(version, bool) or version not in versions:
         raise InvalidManifest(
             f"{what}: format version {version!r} is not supported by this ckptd "
@@ -433,7 +432,12 @@ def parse_index(
     if doc is None:
         assert data is not None
         doc = _loads(data, what)
-    doc = _check_header(doc, INDEX_FORMAT_NAME, what, index=True)
+    doc = _check_header(doc, INDEX_FORMAT_NAME, what)
+    if doc["version"] > manifest.index_version > 0:  # a parsed manifest's: bounds its indexes
+        raise InvalidManifest(
+            f"{what}: format version {doc['version']}, but the manifest of step "
+            f"{manifest.step} is version {manifest.index_version}: one of them was altered"
+        )
     checks = {
         "step": manifest.step,
         "rank": shard.rank,
