@@ -864,7 +864,8 @@ def test_four_ranks_share_a_load_of_borrowed_blocks(
         results = [read_json(str(out / f"{name}-rank{r}.json")) for r in range(world)]
         for res in results:
             assert not res.get("error"), res
-            assert res["checks"] and all(res["checks"].values()), res["checks"]
+            if mode.startswith("load"):
+                assert res["checks"] and all(res["checks"].values()), res["checks"]
         return results
 
     run("save-rows")
