@@ -13,7 +13,13 @@ of them), each repetition one training step:
                          borrow the previous step's bytes
       DCP                torch.distributed.checkpoint.save (FileSystemWriter, 2 threads,
                          no process group), the two newest steps kept
-  all changed        the same tensors, every one changed each step (dense training):
+  embedding rows     a large fp32 embedding table (`--emb-gib`, default 1 GiB, 1024 wide)
+                     plus a dense 4 MiB head; each step changes `--emb-rows` random rows
+                     of the table (a sparse update: the rows one batch touched) and all of
+                     the head. Only the hash blocks holding a changed row differ, and an
+                     incremental save writes only those (block references): full,
+                     incremental and DCP as above
+  all changed        the LoRA tensors, every one changed each step (dense training):
       ckpt full / ckpt incremental on it: the cost of looking for unchanged bytes when
       there are none (target: incremental / full save time close to 1)
 
@@ -23,7 +29,8 @@ block checked). Bytes written are counted where they reach storage
 size of the files it made (plus its metadata). Each job gets one untimed first save (the
 steady state is "saved every step"). Results: bench/results/incremental-<stamp>.json.
 
-    .venv/bin/python bench/incremental.py [--base-gib 2] [--rank 16] [--reps 5]
+    .venv/bin/python bench/incremental.py [--base-gib 2] [--rank 16] [--emb-gib 1]
+        [--emb-rows 64] [--reps 5]
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 import ckpt  # noqa: E402
+from ckptd import knobs  # noqa: E402
 from ckptd.storage import counters  # noqa: E402
 
 
@@ -81,6 +89,35 @@ def lora_state(base_gib: float, rank: int, seed: int) -> tuple[dict[str, Any], d
     return state, desc
 
 
+EMB_DIM = 1024
+
+
+def emb_state(gib: float, seed: int) -> dict[str, Any]:
+    """{"emb": {"weight": fp32 [rows, 1024]}, "head": {"weight": fp32 [1024, 1024]}}"""
+    rows = max(1, int(gib * (1 << 30)) // (EMB_DIM * 4))
+    g = torch.Generator().manual_seed(seed + 1)
+    return {
+        "emb": {"weight": torch.randn(rows, EMB_DIM, generator=g)},
+        "head": {"weight": torch.randn(EMB_DIM, EMB_DIM, generator=g)},
+    }
+
+
+def emb_step(state: dict[str, Any], rows: int, g: torch.Generator) -> tuple[int, int]:
+    """One sparse step: `rows` random rows of the table and the whole head change; returns
+    how many hash blocks of the table hold a changed row, and their bytes."""
+    w = state["emb"]["weight"]
+    idx = torch.randint(0, w.shape[0], (rows,), generator=g)
+    w[idx] += 1e-3
+    state["head"]["weight"].add_(1e-3)
+    block, size = ckpt_block_size(), w.numel() * 4
+    blocks = {int(r) * EMB_DIM * 4 // block for r in idx}
+    return len(blocks), sum(min(block, size - k * block) for k in blocks)
+
+
+def ckpt_block_size() -> int:
+    return knobs.get().block_size
+
+
 def _clone(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: _clone(v) for k, v in tree.items()}
@@ -102,8 +139,10 @@ def train_step(state: dict[str, Any], everything: bool) -> None:
 
 
 class Bench:
-    def __init__(self, work: Path, lora: dict[str, Any], dense: dict[str, Any]):
-        self.work, self.lora, self.dense = work, lora, dense
+    def __init__(
+        self, work: Path, lora: dict[str, Any], dense: dict[str, Any], emb: dict[str, Any]
+    ):
+        self.work, self.lora, self.dense, self.emb = work, lora, dense, emb
         self.step = 1
         self.nbytes = sum(t.numel() * t.element_size() for _, t in C.flat_tensors(lora))
         self.size = self.nbytes
@@ -120,10 +159,17 @@ class Bench:
             "ckpt incremental (all changed)": ckpt.Checkpointer(
                 work / "dense-incr", incremental=True, **opts
             ),
+            "ckpt full (emb)": ckpt.Checkpointer(work / "emb-full", **opts),
+            "ckpt incremental (emb)": ckpt.Checkpointer(
+                work / "emb-incr", incremental=True, **opts
+            ),
         }
-        self.dcp_dirs: list[Path] = []
+        self.dcp_dirs: dict[str, list[Path]] = {}
+        self.changed_blocks: list[tuple[int, int]] = []  # of the table, per step: n, bytes
 
     def state_of(self, name: str) -> dict[str, Any]:
+        if "(emb)" in name:
+            return self.emb
         return self.dense if "all changed" in name else self.lora
 
     def save(self, name: str) -> float:
@@ -139,18 +185,19 @@ class Bench:
     def dcp(self, name: str) -> float:
         import torch.distributed.checkpoint as dcp
 
-        path = self.work / "dcp" / f"step-{self.step}"
+        path = self.work / f"dcp-{'emb' if '(emb)' in name else 'lora'}" / f"step-{self.step}"
         t0 = time.perf_counter()
         writer = dcp.FileSystemWriter(str(path), thread_count=2)  # sync_files=True by default
-        dcp.save(self.lora, storage_writer=writer, no_dist=True)
+        dcp.save(self.state_of(name), storage_writer=writer, no_dist=True)
         C.fsync_tree(path)
         s = time.perf_counter() - t0
         self.written.setdefault(name, []).append(
             sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         )
-        self.dcp_dirs.append(path)
-        while len(self.dcp_dirs) > 2:  # keep the two newest, as keep_last=2 does
-            C.remove(self.dcp_dirs.pop(0))
+        dirs = self.dcp_dirs.setdefault(name, [])
+        dirs.append(path)
+        while len(dirs) > 2:  # keep the two newest, as keep_last=2 does
+            C.remove(dirs.pop(0))
         return s
 
     def close(self) -> None:
@@ -160,8 +207,9 @@ class Bench:
 
 def lookup_cost(b: Bench, n: int = 5) -> list[float]:
     """The work an incremental save does that a full one does not, alone: reading its
-    base's index (checkpoint.borrowable) and matching every entry against it."""
+    base's index (incremental.borrowable) and matching every entry against it."""
     from ckptd.format import checkpoint as ckfmt
+    from ckptd.format import incremental as incr
     from ckptd.format.manifest import IndexEntry
 
     cp = b.cps.get("ckpt incremental (all changed)")
@@ -185,9 +233,9 @@ def lookup_cost(b: Bench, n: int = 5) -> list[float]:
     out = []
     for _ in range(n):
         t0 = time.perf_counter()
-        got = ckfmt.borrowable(cp.storage, base, 0)
+        got = incr.borrowable(cp.storage, base, 0)
         for it in items:
-            got.get(ckfmt.borrow_key(it))
+            got.get(incr.borrow_key(it))
         out.append(time.perf_counter() - t0)
     return out
 
@@ -197,6 +245,9 @@ def registry(b: Bench) -> C.Registry:
     for name in ("ckpt full (LoRA)", "ckpt incremental (LoRA)"):
         reg.append(("LoRA", name, lambda _b, n=name: b.save(n)))
     reg.append(("LoRA", "DCP (LoRA)", lambda _b: b.dcp("DCP (LoRA)")))
+    for name in ("ckpt full (emb)", "ckpt incremental (emb)"):
+        reg.append(("embedding rows", name, lambda _b, n=name: b.save(n)))
+    reg.append(("embedding rows", "DCP (emb)", lambda _b: b.dcp("DCP (emb)")))
     for name in ("ckpt full (all changed)", "ckpt incremental (all changed)"):
         reg.append(("all changed", name, lambda _b, n=name: b.save(n)))
     return reg
@@ -208,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--base-gib", type=float, default=2.0, help="frozen base size (default 2)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    p.add_argument("--emb-gib", type=float, default=1.0, help="embedding table (default 1)")
+    p.add_argument("--emb-rows", type=int, default=64, help="rows changed a step (default 64)")
     p.add_argument("--reps", type=int, default=5, help="repetitions = steps (default 5)")
     p.add_argument("--dir", type=Path, default=C.RESULTS_DIR / "tmp-data", help="work directory")
     p.add_argument("--only", default="", help="|-separated substrings of method names")
@@ -220,8 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     load = C.loadavg_at_start()
     lora, desc = lora_state(args.base_gib, args.rank, args.seed)
     dense = _clone(lora)
-    b = Bench(work, lora, dense)
+    emb = emb_state(args.emb_gib, args.seed)
+    b = Bench(work, lora, dense, emb)
+    desc["emb_bytes"] = sum(t.numel() * 4 for _, t in C.flat_tensors(emb))
+    desc["emb_rows_per_step"] = args.emb_rows
     b.desc = desc
+    g_rows = torch.Generator().manual_seed(args.seed + 2)
     print(
         f"state: {desc['tensors']} tensors, {b.nbytes / C.GB:.3f} GB: base "
         f"{desc['base_bytes'] / C.GB:.3f} GB frozen (hidden {desc['hidden']}), trainable "
@@ -242,14 +299,19 @@ def main(argv: list[str] | None = None) -> int:
         def next_step() -> None:
             train_step(b.lora, everything=False)
             train_step(b.dense, everything=True)
+            b.changed_blocks.append(emb_step(b.emb, args.emb_rows, g_rows))
             b.step += 1
 
         train_step(b.lora, everything=False)
         train_step(b.dense, everything=True)
+        b.changed_blocks.append(emb_step(b.emb, args.emb_rows, g_rows))
         times, errors = C.run_reps(reg, b, args.reps, after_rep=next_step)
         b.notes["base_lookup_s"] = lookup_cost(b)
         b.notes["loadavg_start"], b.notes["loadavg_end"] = load, os.getloadavg()
         b.notes["written_bytes_per_save"] = b.written
+        b.notes["emb_changed_blocks_per_step"] = [n for n, _ in b.changed_blocks[: args.reps]]
+        b.notes["emb_changed_bytes_per_step"] = [n for _, n in b.changed_blocks[: args.reps]]
+        b.notes["block_size"] = ckpt_block_size()
         report(b, reg, times, errors, args)
     finally:
         b.close()
@@ -303,6 +365,21 @@ def report(b: Bench, reg: C.Registry, times: dict, errors: dict, args: Any) -> N
         ("incremental / DCP: save time (LoRA)", "ckpt incremental (LoRA)", "DCP (LoRA)", "time"),
         ("full / DCP: save time (LoRA)", "ckpt full (LoRA)", "DCP (LoRA)", "time"),
         (
+            "incremental / full: bytes written (emb)",
+            "ckpt incremental (emb)",
+            "ckpt full (emb)",
+            "bytes",
+        ),
+        (
+            "incremental / full: save time (emb)",
+            "ckpt incremental (emb)",
+            "ckpt full (emb)",
+            "time",
+        ),
+        ("incremental / DCP: bytes written (emb)", "ckpt incremental (emb)", "DCP (emb)", "bytes"),
+        ("incremental / DCP: save time (emb)", "ckpt incremental (emb)", "DCP (emb)", "time"),
+        ("full / DCP: save time (emb)", "ckpt full (emb)", "DCP (emb)", "time"),
+        (
             "incremental / full: save time (all changed)",
             "ckpt incremental (all changed)",
             "ckpt full (all changed)",
@@ -331,6 +408,18 @@ def report(b: Bench, reg: C.Registry, times: dict, errors: dict, args: Any) -> N
                 extra = f"   paired {row['paired_median']:.4f} ({min(pairs):.2f}-{max(pairs):.2f})"
             ratios.append(row)
             print(f"  {label:<52} {r:8.4f}{extra}")
+    blocks = b.notes.get("emb_changed_blocks_per_step") or []
+    changed = b.notes.get("emb_changed_bytes_per_step") or []
+    inc = b.written.get("ckpt incremental (emb)", [])
+    if blocks and inc:
+        head = EMB_DIM * EMB_DIM * 4
+        exact = [w == n + head for w, n in zip(inc, changed, strict=False)]
+        print(
+            f"\nembedding: {args.emb_rows} rows a step changed {statistics.median(blocks):.0f} "
+            f"of the table's {(b.desc['emb_bytes'] - head) // b.notes['block_size']} blocks "
+            f"(median); an incremental "
+            f"save wrote exactly those blocks plus the head in {sum(exact)} of {len(exact)} steps"
+        )
     look = b.notes.get("base_lookup_s")
     if look:
         print(

@@ -98,8 +98,8 @@ def test_rank_killed_at(point: str, fx: Job, tally, monkeypatch: pytest.MonkeyPa
 # them saving through their node's aggregator (node batches): a restart mid-save must end
 # in the same states either way. The node-batch points exist only in the latter.
 # The retention points once more with an incremental save (per-rank): the new step
-# borrows from the one before, so the retention that retires the oldest step must keep
-# that one (shared blocks), however it is killed.
+# borrows blocks of an entry from the one before (the others changed), so the retention
+# that retires the oldest step must keep that one (shared blocks), however it is killed.
 COORDINATOR_CASES = [
     *((p, "per-rank") for p in COORDINATOR_POINTS if p not in NODE_POINTS),
     *((p, "node") for p in COORDINATOR_POINTS),
@@ -149,6 +149,10 @@ def test_coordinator_killed_at(
             assert not (fx.job / "step-000000000001").exists()
         if incremental:  # step 3 borrows from 2, which retention kept (keep_last=1)
             assert ckfmt.read_manifest(open_storage(str(fx.job)), 3).borrows == [2]
+            # ... blocks 0 and 1 of "frozen" (its blocks 2 and 3 changed): shared blocks.
+            ck = ckfmt.open_checkpoint(open_storage(str(fx.job)), 3)
+            runs = [e.borrowed_blocks for i in ck.indexes for e in i.entries if e.key == "frozen"]
+            assert [[(r.block, r.count) for r in x] for x in runs] == [[(0, 2)]], runs
             assert_loads(fx.job, 2, 2, 2, monkeypatch, frozen=True)
         rc, out, err = ckptctl("verify", str(fx.job), "--all")
         assert rc == 0, out + err

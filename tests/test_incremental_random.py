@@ -1,8 +1,10 @@
 """Randomized: interleaved incremental saves, rollbacks, retention and gc (seeded, bounded).
 
-Real files and the real embedded coordinator. Each seed runs a bounded sequence of
-operations, each drawn at random: a save (a random share of the tensors changed, from
-none to all), a rollback (load an earlier committed step: the next saves descend from
+Real files and the real embedded coordinator, with an 8 KiB hash block so that each
+32 KiB tensor is 4 blocks. Each seed runs a bounded sequence of operations, each drawn at
+random: a save (a random share of the tensors changed, from none to all, or a few rows of
+some of them: only those blocks are written, the entry borrows the rest from the steps
+that hold them, several steps for one entry), a rollback (load an earlier committed step: the next saves descend from
 it, so branches appear), retention from storage (`ckpt.apply_retention`), `ckptctl gc`
 (with --keep-last, sometimes --abandoned), and reopening the Checkpointer with another
 keep_last (the coordinator's own retention). After every operation every committed step
@@ -21,12 +23,14 @@ from ckpt_testutil import tensor_raw
 from coordinator_fixtures import ckptctl_json, wait_for
 
 import ckpt
+from ckptd import knobs
 from ckptd.coordinator import retention
 from ckptd.format import checkpoint as ckfmt
 from ckptd.storage import open_storage
 
 N_TENSORS = 6
 OPS = 40
+BLOCK = 8192  # 16 rows of a tensor
 
 
 def fresh(rng: random.Random) -> torch.Tensor:
@@ -61,11 +65,16 @@ def test_interleaved_saves_retention_and_gc_keep_every_step_whole(
         return got
 
     monkeypatch.setattr(retention, "keep_borrowed", keep_borrowed)
+    with knobs.override(block_size=BLOCK):
+        _run(tmp_path, seed, rng, held)
+
+
+def _run(tmp_path: Path, seed: int, rng: random.Random, held: list[int]) -> None:
     job = tmp_path / "job"
     state = {f"t{i}": fresh(rng) for i in range(N_TENSORS)}
     saved: dict[int, dict[str, torch.Tensor]] = {}
     next_step = 1
-    borrowed = 0
+    borrowed = partial = 0
     c = ckpt.Checkpointer(job, incremental=True)
     try:
         for op_no in range(OPS):
@@ -75,14 +84,21 @@ def test_interleaved_saves_retention_and_gc_keep_every_step_whole(
             where = f"seed {seed} op {op_no} ({op})"
             committed = ckfmt.committed_steps(open_storage(str(job)))
             if op == "save" or not committed:
-                share = rng.choice([0.0, 0.2, 0.5, 1.0])
+                shares: list[float | str] = [0.0, 0.2, 0.5, 1.0, "rows"]
+                share = rng.choice(shares)
                 for k in state:
-                    if rng.random() < share:
+                    if share == "rows":  # a sparse update: a few rows, so a few blocks
+                        if rng.random() < 0.5:
+                            state[k] = state[k].clone()
+                            for row in rng.sample(range(64), rng.randint(1, 3)):
+                                state[k][row] += 1.0
+                    elif isinstance(share, float) and rng.random() < share:
                         state[k] = fresh(rng)
                 r = c.save(state, next_step, blocking=True).wait()
                 assert r is not None
                 borrowed += r.borrowed_bytes
                 saved[next_step] = {k: v.clone() for k, v in state.items()}
+                partial += _block_borrows(job, next_step)
                 next_step += 1
                 c.wait()
             elif op == "rollback":
@@ -109,6 +125,15 @@ def test_interleaved_saves_retention_and_gc_keep_every_step_whole(
     check_all(job, saved, f"seed {seed} at the end")
     assert borrowed > 0, "the sequence never borrowed: it tested nothing incremental"
     assert held, "no removal ever met a lender: the sequence tested nothing of retention"
+    assert partial, "no save borrowed only some blocks of an entry: block references untested"
+
+
+def _block_borrows(job: Path, step: int) -> int:
+    """How many entries of a step borrow only some of their blocks."""
+    st = open_storage(str(job))
+    m = ckfmt.read_manifest(st, step)
+    index = ckfmt.read_index(st, m, m.shards[0], max_entries=1000)
+    return sum(1 for e in index.entries if e.borrowed_blocks)
 
 
 def _settle(c: ckpt.Checkpointer) -> None:

@@ -369,15 +369,16 @@ def test_bad_manifest_fields(job, saved, mutate):
 
 
 def test_wrong_format_version_says_upgrade(job, saved):
-    edit_manifest(job, 1, lambda m: m.__setitem__("version", 4))  # 3: incremental saves
+    edit_manifest(job, 1, lambda m: m.__setitem__("version", 5))  # 3, 4: incremental saves
     msg = expect_rejected(job, ckpt.InvalidManifest)
     assert "upgrade" in msg.lower()
-    assert "4" in msg
+    assert "5" in msg
 
 
 def test_index_with_wrong_version(job, saved):
-    edit_index(job, 1, lambda d: d.__setitem__("version", 4))
-    assert "upgrade" in expect_rejected(job, ckpt.InvalidManifest).lower()
+    edit_index(job, 1, lambda d: d.__setitem__("version", 5))  # 4: block references
+    msg = expect_rejected(job, ckpt.InvalidManifest)
+    assert "upgrade" in msg.lower() and "5" in msg
 
 
 @pytest.mark.parametrize(

@@ -241,22 +241,26 @@ def cmd_list_coordinator(args: argparse.Namespace) -> int:
 def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     ck = ckfmt.open_checkpoint(storage, args.step)
     m = ck.manifest
-    entries: list[dict[str, Any]] = [
-        {
-            "key": c.entry.key,
-            "dtype": c.entry.dtype,
-            "shape": c.entry.shape,
-            "chunk_offsets": c.entry.chunk_offsets,
-            "chunk_sizes": c.entry.chunk_sizes,
-            "bytes": c.entry.length,
-            "rank": c.shard.rank,
-            "file": c.entry.file or c.shard.path,
-            "offset": c.entry.offset,
-            "borrowed_from": c.entry.borrowed_from,
-        }
-        for chunks in ck.chunks.values()
-        for c in chunks
-    ]
+    entries: list[dict[str, Any]] = []
+    for chunks in ck.chunks.values():
+        for c in chunks:
+            lent = [p for _, p in ck.pieces(c.entry) if layout.split_borrowed(p.file) is not None]
+            entries.append(
+                {
+                    "key": c.entry.key,
+                    "dtype": c.entry.dtype,
+                    "shape": c.entry.shape,
+                    "chunk_offsets": c.entry.chunk_offsets,
+                    "chunk_sizes": c.entry.chunk_sizes,
+                    "bytes": c.entry.length,
+                    "rank": c.shard.rank,
+                    "file": c.entry.file or c.shard.path,
+                    "offset": c.entry.offset,
+                    "borrowed_bytes": sum(p.length for p in lent),
+                    "borrowed_blocks": sum(len(p.blake3) for p in lent),
+                    "borrowed_from": c.entry.lenders,
+                }
+            )
     plain = sum(1 for leaf in values.leaves(m.state) if values.tensor_ref(leaf) is None)
     stats = health.key_health(ck) if args.stats else None
     if args.json:
@@ -307,7 +311,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
             "x".join(map(str, e["shape"])) or "()",
             human_bytes(e["bytes"]),
             str(e["rank"]),
-            "-" if e["borrowed_from"] is None else f"step {e['borrowed_from']}",
+            _borrowed_cell(e),
         ]
         for e in entries
     ]
@@ -316,6 +320,16 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
         print()
         _print_stats(stats)
     return OK
+
+
+def _borrowed_cell(e: dict[str, Any]) -> str:
+    """inspect's BORROWED column: '-', 'step N' (all of the chunk), or how much of it."""
+    if not e["borrowed_from"]:
+        return "-"
+    steps = "step " + ", ".join(map(str, e["borrowed_from"]))
+    if e["borrowed_bytes"] == e["bytes"]:
+        return steps
+    return f"{human_bytes(e['borrowed_bytes'])} ({e['borrowed_blocks']} blocks) from {steps}"
 
 
 def _print_stats(stats: list[health.KeyHealth]) -> None:

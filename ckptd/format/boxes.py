@@ -3,7 +3,8 @@
 A `BoxRead` asks for the box [offsets, offsets+sizes) of one key's global tensor, to be
 written C-contiguous into a byte buffer. `plan_box` finds the saved chunks that overlap
 it (and proves they cover it exactly once); `plan_boxes` groups the overlaps by shard
-file, and `read_planned` (`read_boxes` does both) reads the hash blocks that cover them (ckptd.format.reader: parallel, each block
+file (each saved entry's stored pieces, OpenCheckpoint.pieces: an entry that borrows some
+blocks is read from several files), and `read_planned` (`read_boxes` does both) reads the hash blocks that cover them (ckptd.format.reader: parallel, each block
 verified before use) and copies every overlap from the I/O buffer into its destination
 (ckptd.format.reshard). The client's load (ckpt._restore) and `ckptctl restore` both
 read through here; neither knows about blocks or shards.
@@ -124,18 +125,42 @@ def plan_boxes(ck: OpenCheckpoint, boxes: Sequence[BoxRead]) -> BoxPlan:
         if box.out.dtype != np.uint8 or box.out.nbytes != need:
             raise ValueError(f"key {box.key!r}: the buffer for the box must be {need} bytes")
         for chunk, ov in plan_box(ck, box.key, box.offsets, box.sizes):
-            path = ck.entry_path(chunk.entry)  # its own shard, or a step it borrows from
-            reads = per_shard.get(path)
-            if reads is None:
-                reads = per_shard[path] = ShardReads(ck.file_no(path), path, [], [])
             ranges = None if ov.whole else ov.ranges(block)
-            reads.reads.append(EntryRead(chunk.entry, ranges))
-            reads.sinks.append(functools.partial(ov.copy, box.out))
             whole = ov.whole and ranges is None
-            reads.into.append(box.out[ov.dst_start : ov.dst_start + ov.nbytes] if whole else None)
-            for b in covering_blocks(chunk.entry.length, block, ranges):
-                total += min(block, chunk.entry.length - b * block)
+            # Each stored piece of the entry (its own shard, an earlier step's it borrows
+            # from, or, blocks of it borrowed, several): ck.pieces, the one rule.
+            for shard_no, piece in ck.pieces(chunk.entry):
+                sub = _piece_ranges(piece, ranges)
+                if sub is not None and not sub:
+                    continue  # the box needs no byte of this piece
+                path = ck.files[shard_no]
+                reads = per_shard.get(path)
+                if reads is None:
+                    reads = per_shard[path] = ShardReads(shard_no, path, [], [])
+                reads.reads.append(EntryRead(piece, sub))
+                reads.sinks.append(functools.partial(_copy_piece, ov, box.out, piece.start))
+                at = ov.dst_start + piece.start
+                reads.into.append(box.out[at : at + piece.length] if whole else None)
+                for b in covering_blocks(piece.length, block, sub):
+                    total += min(block, piece.length - b * block)
     return BoxPlan(sorted(per_shard.values(), key=lambda r: r.shard), total)
+
+
+def _piece_ranges(
+    piece: IndexEntry, ranges: Sequence[tuple[int, int]] | None
+) -> list[tuple[int, int]] | None:
+    """The byte ranges of an entry (None: all of it) that fall in one of its pieces, in the
+    piece's own bytes (None: all of it)."""
+    if ranges is None:
+        return None
+    lo, hi = piece.start, piece.start + piece.length
+    out = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in ranges if a < hi and b > lo]
+    return None if out == [(0, piece.length)] else out
+
+
+def _copy_piece(ov: Overlap, out: np.ndarray, start: int, at: int, data: np.ndarray) -> None:
+    """A piece's verified bytes at `at` inside it are the entry's bytes at start + at."""
+    ov.copy(out, start + at, data)
 
 
 def read_planned(

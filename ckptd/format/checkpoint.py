@@ -4,7 +4,10 @@ Storage alone describes every checkpoint (promise 6): a step is committed exactl
 its MANIFEST.json exists and parses; everything else in a step directory is either part
 of a committed step or debris of a save that never committed. Opening a step checks the
 manifest, every index against the digest the manifest holds, and every shard's size,
-before a single tensor byte is read.
+before a single tensor byte is read. An entry's bytes may lie in earlier steps' files (an
+incremental save borrows whole entries or blocks of them): `OpenCheckpoint.pieces` says
+where each part is (manifest.entry_pieces), and `check_borrowed` that each lender is
+committed and holds the range, before a byte is read.
 
 A committed step that later fails verification on load is *quarantined*: a
 `QUARANTINED.json` marker (reason, time, host) is written into its directory, atomically.
@@ -15,14 +18,14 @@ step) skips it. Removing the marker puts the step back.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 from ckptd import knobs
 from ckptd.errors import (
@@ -42,6 +45,8 @@ from ckptd.format.manifest import (
     Manifest,
     ShardIndex,
     ShardInfo,
+    entry_pieces,
+    load_json,
     parse_index,
     parse_manifest,
 )
@@ -84,13 +89,18 @@ class OpenCheckpoint:
     files: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        block = self.manifest.block_size
+        # Each entry's pieces (entry_pieces: the one rule for where its bytes are), by entry.
+        self._pieces: dict[int, list[IndexEntry]] = {
+            id(e): entry_pieces(e, block) for idx in self.indexes for e in idx.entries
+        }
         if not self.files:
             own = [self.shard_path(s) for s in self.manifest.shards]
             lent = {
-                layout.job_path(self.step, e.file)
-                for idx in self.indexes
-                for e in idx.entries
-                if e.borrowed_from is not None
+                layout.job_path(self.step, p.file)
+                for ps in self._pieces.values()
+                for p in ps
+                if layout.split_borrowed(p.file) is not None
             }
             self.files = own + sorted(lent - set(own))
         self._file_no = {f: i for i, f in enumerate(self.files)}
@@ -99,30 +109,36 @@ class OpenCheckpoint:
     def step(self) -> int:
         return self.manifest.step
 
-    def entry_path(self, entry: IndexEntry) -> str:
-        """The file holding the entry's bytes, relative to the job directory (its own
-        shard, or an earlier step's it borrows from)."""
-        return layout.job_path(self.step, entry.file)
+    def pieces(self, entry: IndexEntry) -> list[tuple[int, IndexEntry]]:
+        """(file number, piece) of where each part of an entry of this step is stored, in
+        the entry's order (manifest.entry_pieces): a piece is an entry of that file, and
+        `piece.start` is where it begins in `entry`. One piece for all but an entry of
+        which only some blocks are borrowed."""
+        got = self._pieces.get(id(entry))
+        if got is None:  # an entry of this step passed as a copy
+            got = entry_pieces(entry, self.manifest.block_size)
+        return [(self._file_no[layout.job_path(self.step, p.file)], p) for p in got]
 
     def file_no(self, path: str) -> int:
-        """The position of a file of `files` (entry_path)."""
+        """The position of a file of `files` (relative to the job directory)."""
         return self._file_no[path]
 
     def stored(self) -> Iterator[tuple[int, IndexEntry]]:
-        """(file number, entry) of every entry: a stored range is (file, entry.offset)."""
+        """(file number, piece) of every stored range of every entry: a stored range is
+        (file, piece.offset), and no two pieces of a step share one (check_borrowed)."""
         for idx in self.indexes:
             for e in idx.entries:
-                yield self._file_no[self.entry_path(e)], e
+                yield from self.pieces(e)
 
     @property
     def owned_bytes(self) -> int:
         """Bytes of the entries this step holds in its own shards."""
-        return sum(e.length for i in self.indexes for e in i.entries if e.borrowed_from is None)
+        return sum(p.length for _, p in self.stored() if layout.split_borrowed(p.file) is None)
 
     @property
     def borrowed_bytes(self) -> int:
-        """Bytes of the entries it reads from earlier steps' files."""
-        return sum(e.length for i in self.indexes for e in i.entries if e.borrowed_from is not None)
+        """Bytes of the entries it reads from earlier steps' files (whole entries or blocks)."""
+        return sum(p.length for _, p in self.stored() if layout.split_borrowed(p.file) is not None)
 
     @property
     def step_dir(self) -> str:
@@ -391,76 +407,56 @@ def open_checkpoint(
 
 
 def check_borrowed(storage: Storage, m: Manifest, indexes: Iterable[ShardIndex]) -> None:
-    """Every borrowed entry names a committed step the manifest lists, a shard of it that
-    is there with its recorded size, and a range inside it, no two entries the same range.
+    """Every borrowed piece (a whole entry, or blocks of one: manifest.entry_pieces) names
+    a committed step the manifest lists, a shard of it that is there with its recorded size,
+    and a range inside it, no two pieces overlapping.
 
     The bytes themselves are checked when they are read, against the borrowing entry's own
     block hashes (which the lending step's index also holds: the save matched them)."""
     lenders: dict[int, dict[str, ShardInfo]] = {}
-    seen: set[tuple[str, int]] = set()
+    taken: dict[str, list[tuple[int, int, str]]] = {}
     for idx in indexes:
         for e in idx.entries:
-            lent = layout.split_borrowed(e.file)
-            if lent is None:
-                continue
-            k, name = lent
-            where = f"job {storage.url} step {m.step} rank {idx.rank} key {e.key!r} (file {e.file})"
-            if k not in lenders:
-                try:
-                    lm = read_manifest(storage, k)
-                except CkptError as err:
-                    raise CheckpointNotFound(
-                        f"{where}: borrows its bytes from step {k}, which is not a committed "
-                        f"step ({err}); step {m.step} is not whole: load an earlier step"
-                    ) from None
-                lenders[k] = {s.path: s for s in lm.shards}
-                for s in lm.shards:
-                    check_shard_size(storage, lm, s)
-            shard = lenders[k].get(name)
-            if shard is None:
-                raise InvalidManifest(
-                    f"{where}: step {k} has no shard {name!r}; the index was altered"
+            for p in entry_pieces(e, m.block_size):
+                lent = layout.split_borrowed(p.file)
+                if lent is None:
+                    continue
+                k, name = lent
+                where = (
+                    f"job {storage.url} step {m.step} rank {idx.rank} key {e.key!r} "
+                    f"(file {p.file}, blocks {p.first_block}..{p.first_block + len(p.blake3)})"
                 )
-            if e.offset + e.length > shard.size or (e.file, e.offset) in seen:
+                if k not in lenders:
+                    try:
+                        lm = read_manifest(storage, k)
+                    except CkptError as err:
+                        raise CheckpointNotFound(
+                            f"{where}: borrows its bytes from step {k}, which is not a "
+                            f"committed step ({err}); step {m.step} is not whole: load an "
+                            "earlier step"
+                        ) from None
+                    lenders[k] = {s.path: s for s in lm.shards}
+                    for s in lm.shards:
+                        check_shard_size(storage, lm, s)
+                shard = lenders[k].get(name)
+                if shard is None:
+                    raise InvalidManifest(
+                        f"{where}: step {k} has no shard {name!r}; the index was altered"
+                    )
+                if p.offset + p.length > shard.size:
+                    raise InvalidManifest(
+                        f"{where}: bytes {p.offset}..{p.offset + p.length} are not a range of "
+                        f"its {shard.size}-byte shard; the index was altered"
+                    )
+                taken.setdefault(p.file, []).append((p.offset, p.offset + p.length, where))
+    for file, ranges in taken.items():
+        ranges.sort()
+        for (_, end, _), (lo, hi, where) in zip(ranges, ranges[1:], strict=False):
+            if lo < end:
                 raise InvalidManifest(
-                    f"{where}: bytes {e.offset}..{e.offset + e.length} are not a range of its "
-                    f"{shard.size}-byte shard that one entry borrows; the index was altered"
+                    f"{where}: bytes {lo}..{hi} of {file} are borrowed by another entry of "
+                    "this step too; the index was altered"
                 )
-            seen.add((e.file, e.offset))
-
-
-def borrowable(storage: Storage, step: int | None, rank: int) -> dict[tuple[Any, ...], IndexEntry]:
-    """What an incremental save of `rank` may borrow from committed `step` (its base): the
-    entries of that step's shard of the same rank, by (key, dtype, shape, chunk offsets and
-    sizes), each naming the file that holds its bytes as a sibling step sees it (a borrowed
-    entry names its lender's file: references never chain). Empty when `step` is None, not
-    committed, quarantined, or written with another block size; only the same rank's index
-    is read (a save of stable layout writes each chunk from the same rank every step)."""
-    if step is None:
-        return {}
-    try:
-        m = read_manifest(storage, step)
-        if quarantine_reason(storage, step) is not None or m.block_size != knobs.get().block_size:
-            return {}
-        shard = next((s for s in m.shards if s.rank == rank), None)
-        if shard is None:
-            return {}
-        index = read_index(storage, m, shard, max_entries=knobs.get().max_entries_per_shard)
-    except CkptError:
-        return {}  # no base: the save writes everything
-    out: dict[tuple[Any, ...], IndexEntry] = {}
-    for e in index.entries:
-        file = e.file if e.borrowed_from is not None else layout.borrowed_file(step, e.file)
-        lent = copy.copy(e)  # every field the entry has: what they say of the bytes holds
-        lent.file = file
-        out[borrow_key(e)] = lent
-    return out
-
-
-def borrow_key(e: Any) -> tuple[Any, ...]:
-    """What must be equal for a chunk to borrow an earlier step's entry (besides its
-    bytes' block hashes): key, dtype, global shape and the box."""
-    return (e.key, e.dtype, tuple(e.shape), tuple(e.chunk_offsets), tuple(e.chunk_sizes))
 
 
 def read_index(storage: Storage, m: Manifest, shard: ShardInfo, *, max_entries: int) -> ShardIndex:
@@ -559,6 +555,9 @@ def commit(storage: Storage, m: Manifest) -> bytes:
             f"step {m.step}: shards of ranks {sorted(s.rank for s in m.shards)} reported, "
             f"world size is {m.world_size}; refusing to commit"
         )
+    # A step whose indexes borrow blocks is version 4 as a whole (manifest.py): only the
+    # indexes that borrow can be, and only their header is read.
+    m.index_version = max((index_version(storage, m, s) for s in m.shards if s.borrows), default=0)
     data = m.to_bytes()
     # Create-only: a manifest is never replaced (atomically so where the store offers it).
     # The crash point fires with the manifest's bytes durable but not yet visible.
@@ -568,6 +567,26 @@ def commit(storage: Storage, m: Manifest) -> bytes:
         before_publish=lambda: crash_point("coordinator.mid_manifest"),
     )
     return data
+
+
+_INDEX_HEAD = re.compile(rb'^\{"format":"ckptd-shard-index","version":(\d{1,3}),')
+
+
+def index_version(storage: Storage, m: Manifest, shard: ShardInfo) -> int:
+    """The format version of a shard's index, from its first bytes (as the writer lays
+    them out), else from the whole index."""
+    path = f"{layout.step_dir(m.step)}/{shard.index}"
+    handle = storage.open_read(path)
+    try:
+        head = handle.read(0, min(96, shard.index_size)).tobytes()
+    finally:
+        handle.close()
+    got = _INDEX_HEAD.match(head)
+    if got is not None:
+        return int(got.group(1))
+    doc = load_json(storage.read_bytes(path, limit=shard.index_size), path)
+    version = doc.get("version") if isinstance(doc, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) else 0
 
 
 def remove_step(storage: Storage, step: int) -> None:
@@ -624,16 +643,18 @@ def verify_checkpoint(
         # from the lenders' files and checked against this index's hashes.
         by_file: dict[str, list[IndexEntry]] = {}
         for ent in index.entries:
-            by_file.setdefault(layout.job_path(step, ent.file), []).append(ent)
+            for p in entry_pieces(ent, m.block_size):
+                by_file.setdefault(layout.job_path(step, p.file), []).append(p)
+        own_path = f"{layout.step_dir(step)}/{shard.path}"
         for path, entries in by_file.items():
             if level == "full":
                 problems = verify_entries(
                     storage, path, entries, m.block_size, threads=threads, progress=progress
                 )
                 report.problems.extend(f"rank {shard.rank}: {p}" for p in problems)
-        report.bytes_checked += shard.size + sum(
-            ent.length for ent in index.entries if ent.borrowed_from is not None
-        )
+            if path != own_path:
+                report.bytes_checked += sum(p.length for p in entries)
+        report.bytes_checked += shard.size
     for tag, key in values.tensor_refs(m.state):
         if key not in keys and not report.problems:
             report.problems.append(

@@ -163,9 +163,21 @@ def _logical_digest(
             n = min(len(view), len(buf) - at)
             buf[at : at + n] = view[:n]
 
-        reader.read_entries(
-            ck.storage, ck.entry_path(e), [e], ck.manifest.block_size, sink=sink, cold=False
-        )
+        for f, piece in ck.pieces(e):  # its own shard, a lender's, or blocks of both
+
+            def piece_sink(
+                i: int, at: int, data: Any, start: int = piece.start, sink: Any = sink
+            ) -> None:
+                sink(i, start + at, data)
+
+            reader.read_entries(
+                ck.storage,
+                ck.files[f],
+                [piece],
+                ck.manifest.block_size,
+                sink=piece_sink,
+                cold=False,
+            )
         report.bytes_read += e.length
         if progress is not None:
             progress(e.length)

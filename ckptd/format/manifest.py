@@ -33,10 +33,31 @@ FORMAT_VERSION = 2
 # so every other step stays version 2 and readable by older ckptd; those refuse version 3
 # ("upgrade ckptd") rather than read a shard that lacks the borrowed bytes.
 BORROWING_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+# Version 4: an entry's blocks may lie in several files (`borrowed_blocks`: the unchanged
+# blocks of a partly changed entry name the lender's file and offset, the changed ones are
+# in the step's own shard). Written only by an index that has such an entry and by the
+# manifest of its step (ckptd.format.checkpoint.commit). A version-3 reader would read such
+# an entry from one place; it refuses the index, and the manifest too, so that it lists
+# the step as unreadable (and keeps what it may borrow) rather than judge it corrupt.
+BLOCK_BORROWING_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 MAX_DIMS = values.MAX_DIMS  # one limit for entries' shapes and views' strides
 MAX_KEY_LEN = 4096
 MAX_ELEMENTS = 1 << 62
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRun:
+    """Blocks [block, block + count) of an entry, stored in `file` (a lender's shard, as
+    `../step-N/shards/...`) from byte `offset`, one after another."""
+
+    block: int
+    count: int
+    file: str
+    offset: int
+
+    def to_json(self) -> list[Any]:
+        return [self.block, self.count, self.file, self.offset]
 
 
 @dataclasses.dataclass
@@ -55,12 +76,21 @@ class IndexEntry:
     # Health of a floating-point chunk (optional: None in indexes written before it was
     # recorded, or with the health_stats knob off); ckptd.format.tensorstats.
     stats: tensorstats.TensorStats | None = None
+    # Format version 4: the entry's blocks stored in a lender's file (ascending, disjoint);
+    # every other block is in `file` (this step's shard) from `offset`, in block order.
+    # Empty: all of the entry is at `file`/`offset`. See `entry_pieces`.
+    borrowed_blocks: list[BlockRun] = dataclasses.field(default_factory=list)
+    # Not stored: when this entry is one piece of a larger one (entry_pieces), the larger
+    # one's block number of blake3[0] (errors name the block as the index counts it) and
+    # the byte of the larger entry where this piece begins.
+    first_block: int = 0
+    start: int = 0
 
     @property
-    def borrowed_from(self) -> int | None:
-        """The step whose file holds this entry's bytes, when not the entry's own step."""
-        got = layout.split_borrowed(self.file)
-        return got[0] if got else None
+    def lenders(self) -> list[int]:
+        """The steps whose files hold any of this entry's bytes, besides its own (ascending)."""
+        files = (self.file, *(r.file for r in self.borrowed_blocks))
+        return sorted({lent[0] for f in files if (lent := layout.split_borrowed(f)) is not None})
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -76,6 +106,8 @@ class IndexEntry:
         }
         if self.stats is not None:
             doc["stats"] = self.stats.to_json()
+        if self.borrowed_blocks:
+            doc["borrowed_blocks"] = [r.to_json() for r in self.borrowed_blocks]
         return doc
 
     @property
@@ -97,10 +129,15 @@ class ShardIndex:
     entries: list[IndexEntry]
 
     def to_bytes(self) -> bytes:
-        borrows = any(e.borrowed_from is not None for e in self.entries)
+        if any(e.borrowed_blocks for e in self.entries):
+            version = BLOCK_BORROWING_VERSION
+        elif any(e.lenders for e in self.entries):
+            version = BORROWING_VERSION
+        else:
+            version = FORMAT_VERSION
         doc = {
             "format": INDEX_FORMAT_NAME,
-            "version": BORROWING_VERSION if borrows else FORMAT_VERSION,
+            "version": version,
             "job": self.job,
             "step": self.step,
             "generation": self.generation,
@@ -159,6 +196,9 @@ class Manifest:
     # The step this state descends from (the job's last save or load before it); None:
     # not recorded (a job's first save, or a manifest written before lineage was).
     parent: int | None = None
+    # The highest format version of its shard indexes, when known (not a field of its own:
+    # the manifest's version is at least this; set at commit, and by parsing).
+    index_version: int = 0
 
     @property
     def borrows(self) -> list[int]:
@@ -167,9 +207,13 @@ class Manifest:
         return sorted({k for s in self.shards for k in s.borrows})
 
     def to_bytes(self) -> bytes:
+        if self.index_version >= BLOCK_BORROWING_VERSION:
+            version = BLOCK_BORROWING_VERSION
+        else:
+            version = BORROWING_VERSION if self.borrows else FORMAT_VERSION
         doc = {
             "format": FORMAT_NAME,
-            "version": BORROWING_VERSION if self.borrows else FORMAT_VERSION,
+            "version": version,
             "job": self.job,
             "step": self.step,
             "generation": self.generation,
@@ -248,10 +292,11 @@ def _check_header(doc: Any, fmt: str, what: str) -> dict[str, Any]:
     if doc.get("format") != fmt:
         raise InvalidManifest(f"{what}: not a {fmt} file (format={doc.get('format')!r})")
     version = doc.get("version")
-    if isinstance(version, bool) or version not in READ_VERSIONS:
+    versions = READ_VERSIONS
+    if isinstance(version, bool) or version not in versions:
         raise InvalidManifest(
             f"{what}: format version {version!r} is not supported by this ckptd "
-            f"(it reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade ckptd to read it"
+            f"(it reads versions {', '.join(map(str, versions))}); upgrade ckptd to read it"
         )
     if doc.get("hash", hashing.HASH_NAME) != hashing.HASH_NAME:
         raise InvalidManifest(f"{what}: unknown hash {doc.get('hash')!r}")
@@ -335,6 +380,7 @@ def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:
         metadata=metadata,
         created_unix=float(created),
         parent=parent,
+        index_version=doc["version"],
     )
 
 
@@ -387,6 +433,11 @@ def parse_index(
         assert data is not None
         doc = _loads(data, what)
     doc = _check_header(doc, INDEX_FORMAT_NAME, what)
+    if doc["version"] > manifest.index_version > 0:  # a parsed manifest's: bounds its indexes
+        raise InvalidManifest(
+            f"{what}: format version {doc['version']}, but the manifest of step "
+            f"{manifest.step} is version {manifest.index_version}: one of them was altered"
+        )
     checks = {
         "step": manifest.step,
         "rank": shard.rank,
@@ -417,7 +468,9 @@ def parse_index(
     # check at save time (planning) and the reader's at load time (boxes.plan_box).
     boxes: set[tuple[str, tuple[int, ...]]] = set()
     for i, e in enumerate(entries_doc):
-        entry = _parse_entry(e, i, block, manifest.alignment, shard, what, manifest.step)
+        entry = _parse_entry(
+            e, i, block, manifest.alignment, shard, what, manifest.step, doc["version"]
+        )
         box = (entry.key, tuple(entry.chunk_offsets))
         if box in boxes:
             raise InvalidManifest(
@@ -426,11 +479,11 @@ def parse_index(
             )
         boxes.add(box)
         entries.append(entry)
-    # Borrowed entries name another step's file: what they borrow must be what the
-    # manifest says the shard borrows (retention keeps exactly those steps), and where the
-    # bytes lie in that file is checked against its step when the step is opened.
-    own = [e for e in entries if e.borrowed_from is None]
-    lent = sorted({k for e in entries if (k := e.borrowed_from) is not None})
+    # Borrowed bytes (whole entries, or blocks of one) name other steps' files: what they
+    # borrow must be what the manifest says the shard borrows (retention keeps exactly those
+    # steps), and where the bytes lie in those files is checked against their steps when the
+    # step is opened (checkpoint.check_borrowed).
+    lent = sorted({k for e in entries for k in e.lenders})
     if lent and doc["version"] < BORROWING_VERSION:
         raise InvalidManifest(
             f"{what}: entries borrow from steps {lent[:8]}, which format version "
@@ -442,7 +495,8 @@ def parse_index(
             f"{shard.rank} borrows from {list(shard.borrows)[:8]}: the index or the manifest "
             "was altered; load an earlier step"
         )
-    # Non-overlapping, in bounds.
+    # Non-overlapping, in bounds: the bytes each entry holds in this shard.
+    own = [p for e in entries if (p := own_part(e, block)) is not None]
     end = 0
     for e in sorted(own, key=lambda x: x.offset):
         if e.offset < end:
@@ -476,6 +530,58 @@ def parse_index(
     )
 
 
+def entry_pieces(e: IndexEntry, block: int) -> list[IndexEntry]:
+    """Where the bytes of entry `e` are stored, in the entry's order: the one rule every
+    reader follows (load, resharding load, the shared read plan, verify, diff, export,
+    restore, inspect, mirror, the next incremental save).
+
+    Each piece is an entry of the file that holds it: its `file` (relative to the entry's
+    step directory, `../step-N/...` for a lender's), `offset` and `length` there, the hashes
+    of its blocks, and `first_block` / `start`, where it begins in `e`. An entry without
+    `borrowed_blocks` is one piece, itself (its own shard's bytes, or a lender's: a whole
+    borrowed entry). Otherwise the runs name the lender's blocks and every other block lies
+    in `e.file` (the step's own shard) from `e.offset`, in block order.
+    """
+    if not e.borrowed_blocks:
+        return [e]
+    out: list[IndexEntry] = []
+
+    def piece(b0: int, b1: int, file: str, offset: int) -> IndexEntry:
+        lo, hi = b0 * block, min(b1 * block, e.length)
+        return dataclasses.replace(
+            e,
+            file=file,
+            offset=offset,
+            length=hi - lo,
+            blake3=e.blake3[b0:b1],
+            stats=None,
+            borrowed_blocks=[],
+            first_block=b0,
+            start=lo,
+        )
+
+    at, b = e.offset, 0
+    for r in e.borrowed_blocks:
+        if r.block > b:
+            out.append(piece(b, r.block, e.file, at))
+            at += out[-1].length
+        out.append(piece(r.block, r.block + r.count, r.file, r.offset))
+        b = r.block + r.count
+    n = hashing.n_blocks(e.length, block)
+    if b < n:
+        out.append(piece(b, n, e.file, at))
+    return out
+
+
+def own_part(e: IndexEntry, block: int) -> IndexEntry | None:
+    """The bytes entry `e` holds in its own step's shard, as one range (the pieces there are
+    contiguous); None when it holds none there (all of it is borrowed)."""
+    if not e.borrowed_blocks:
+        return None if e.lenders else e
+    n = e.length - sum(p.length for p in entry_pieces(e, block) if p.file != e.file)
+    return dataclasses.replace(e, length=n, borrowed_blocks=[]) if n else None
+
+
 def packing_gap(entries: list[IndexEntry], size: int, align: int) -> str | None:
     """Where `entries` fail to tile a shard file of `size` bytes, or None when they do.
 
@@ -494,7 +600,7 @@ def packing_gap(entries: list[IndexEntry], size: int, align: int) -> str | None:
 
 
 def _parse_entry(
-    e: Any, i: int, block: int, align: int, shard: ShardInfo, what: str, step: int
+    e: Any, i: int, block: int, align: int, shard: ShardInfo, what: str, step: int, version: int
 ) -> IndexEntry:
     ew = f"{what} entry #{i}"
     if not isinstance(e, dict):
@@ -534,11 +640,7 @@ def _parse_entry(
     file = e.get("file", shard.path)
     lent = layout.split_borrowed(file) if isinstance(file, str) else None
     if lent is not None:
-        check_relative(lent[1], what=f"{ew} file")
-        if lent[0] == step or not lent[1].startswith(f"{layout.SHARDS_DIR}/"):
-            raise InvalidManifest(
-                f"{ew}: file {file!r} must name a shard of another step (../step-N/shards/...)"
-            )
+        _check_lender_file(file, step, ew)
     else:
         file = check_relative(file, what=f"{ew} file")
         if file != shard.path:
@@ -549,7 +651,75 @@ def _parse_entry(
     if not all(hashing.is_hex_digest(d) for d in digests):
         raise InvalidManifest(f"{ew}: block hashes must be blake3 hex digests")
     stats = tensorstats.parse(e.get("stats"), dtype=dtype, numel=numel, what=ew)
-    return IndexEntry(key, dtype, shape, offs, sizes, offset, length, list(digests), file, stats)
+    runs = _borrowed_blocks(e, len(digests), align, step, version, ew)
+    if runs and lent is not None:
+        raise InvalidManifest(
+            f"{ew}: borrows blocks, so its file must be this index's shard {shard.path!r}, "
+            f"not {file!r}"
+        )
+    return IndexEntry(
+        key, dtype, shape, offs, sizes, offset, length, list(digests), file, stats, runs
+    )
+
+
+def _check_lender_file(file: str, step: int, what: str) -> None:
+    """A lender's file as an entry names it: `../step-N/shards/...`, N not the entry's
+    own step, the rest confined like every format path (no `..`, no absolute path)."""
+    lent = layout.split_borrowed(file)
+    if lent is None:
+        raise InvalidManifest(
+            f"{what}: file {file!r} must name a shard of another step (../step-N/shards/...)"
+        )
+    check_relative(lent[1], what=f"{what} file")
+    if lent[0] == step or not lent[1].startswith(f"{layout.SHARDS_DIR}/"):
+        raise InvalidManifest(
+            f"{what}: file {file!r} must name a shard of another step (../step-N/shards/...)"
+        )
+
+
+def _borrowed_blocks(
+    e: dict[str, Any], n_blocks: int, align: int, step: int, version: int, what: str
+) -> list[BlockRun]:
+    """An entry's optional `borrowed_blocks` (format version 4): runs
+    [first block, block count, lender's file, offset there], ascending and disjoint, inside
+    the entry's blocks."""
+    got = e.get("borrowed_blocks")
+    if got is None:
+        return []
+    if version < BLOCK_BORROWING_VERSION:
+        raise InvalidManifest(
+            f"{what}: borrows blocks, which format version {version} cannot (version "
+            f"{BLOCK_BORROWING_VERSION} and later)"
+        )
+    if not isinstance(got, list) or not got or len(got) > n_blocks:
+        raise InvalidManifest(
+            f"{what}: borrowed_blocks must be a list of 1 to {n_blocks} runs (one per block at most)"
+        )
+    out: list[BlockRun] = []
+    end = 0
+    for run in got:
+        ok = isinstance(run, list) and len(run) == 4 and isinstance(run[2], str)
+        nums = [run[0], run[1], run[3]] if ok else []
+        if not ok or any(isinstance(x, bool) or not isinstance(x, int) for x in nums):
+            raise InvalidManifest(
+                f"{what}: a borrowed_blocks run must be [first block, count, file, offset], "
+                f"got {str(run)[:80]}"
+            )
+        b, n, file, offset = run
+        if b < end or n < 1 or b + n > n_blocks:
+            raise InvalidManifest(
+                f"{what}: borrowed blocks {b}..{b + n} are not ascending, disjoint runs "
+                f"inside the entry's {n_blocks} blocks"
+            )
+        _check_lender_file(file, step, what)
+        if not 0 <= offset < (1 << 63) or offset % align:
+            raise InvalidManifest(
+                f"{what}: borrowed blocks {b}..{b + n} at byte {offset} of {file!r}: not a "
+                f"{align}-byte aligned offset"
+            )
+        out.append(BlockRun(b, n, file, offset))
+        end = b + n
+    return out
 
 
 def describe(err: CkptError, **ctx: Any) -> str:

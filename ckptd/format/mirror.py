@@ -50,7 +50,7 @@ from ckptd.errors import (
 )
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout
-from ckptd.format.manifest import ShardInfo
+from ckptd.format.manifest import ShardInfo, entry_pieces
 from ckptd.format.reader import verify_entries
 from ckptd.storage.base import Storage
 
@@ -155,7 +155,12 @@ def copy_shards(
             for p in verify_entries(
                 dst,
                 f"{sdir}/{shard.path}",
-                [e for e in index.entries if e.borrowed_from is None],  # lenders: verified
+                [  # the bytes this step holds; its lenders' were verified when copied
+                    p
+                    for e in index.entries
+                    for p in entry_pieces(e, m.block_size)
+                    if layout.split_borrowed(p.file) is None
+                ],
                 m.block_size,
             )
         ]

@@ -208,7 +208,7 @@ def _mismatch(
     storage: Storage, path: str, ent: IndexEntry, b: int, start: int, length: int, got: str
 ) -> HashMismatch:
     return HashMismatch(
-        f"{storage.url}/{path}: key {ent.key!r} block {b} "
+        f"{storage.url}/{path}: key {ent.key!r} block {ent.first_block + b} "
         f"(file bytes {ent.offset + start}..{ent.offset + start + length}) "
         f"has blake3 {got[:16]}..., the index says {ent.blake3[b][:16]}...; "
         "the shard is corrupt: restore an earlier step or a replica"

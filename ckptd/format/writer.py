@@ -311,17 +311,22 @@ class ShardWriter:
         verify: str = "full",
         stats: ShardWriteStats | None = None,
         borrowed: Sequence[IndexEntry] = (),
+        split: Sequence[tuple[int, int, IndexEntry]] = (),
     ) -> ShardInfo:
         """fsync, write the index of `items` (what this shard holds), verify; the ShardInfo.
 
         The items must tile the file (packed, format version 2): a layout with a gap is
         the caller's bug, refused before the file is made durable. `borrowed`: entries of
-        an incremental save whose bytes an earlier committed step holds (their `file`
-        names it: ckptd.format.checkpoint.borrowable); listed in the index after the
-        items, never written or re-read here (docs/format.md, Borrowed entries)."""
+        an incremental save whose bytes earlier committed steps hold (their `file`, or
+        their `borrowed_blocks`, name them: ckptd.format.incremental.borrowable); listed in
+        the index after the items, never written or re-read here (docs/format.md, Borrowed
+        entries). `split`: (first, count, entry) of an entry only some blocks of which
+        changed (incremental.reuse_blocks): items[first:first + count] are its changed blocks
+        (a run each, neighbours in the file), the rest it borrows; the index lists it as
+        one entry at items[first]'s offset."""
         if verify not in ("full", "size"):
             raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
-        entries = [
+        written = [
             IndexEntry(
                 key=it.key,
                 dtype=it.dtype,
@@ -336,7 +341,19 @@ class ShardWriter:
             )
             for i, (it, off) in enumerate(zip(items, offsets, strict=True))
         ]
-        gap = packing_gap(entries, self.size, self.align)
+        gap = packing_gap(written, self.size, self.align)
+        parts = {first: (count, e) for first, count, e in split}
+        entries: list[IndexEntry] = []
+        i = 0
+        while i < len(written):
+            count, whole = parts.get(i, (1, None))
+            if whole is None:
+                entries.append(written[i])
+            else:
+                entries.append(
+                    dataclasses.replace(whole, file=self.shard_name, offset=written[i].offset)
+                )
+            i += count
         entries += [dataclasses.replace(e) for e in borrowed]
         if gap is not None:
             self.abort()
@@ -375,6 +392,7 @@ class ShardWriter:
                 verify,
                 self.threads,
                 self.ctx,
+                written,
                 checked=self._checked,
             )
         except BaseException as e:
@@ -390,7 +408,7 @@ class ShardWriter:
             index=self.index_name,
             index_size=len(index_bytes),
             index_blake3=hashing.digest(index_bytes),
-            borrows=sorted({k for e in borrowed if (k := e.borrowed_from) is not None}),
+            borrows=sorted({k for e in entries for k in e.lenders}),
         )
 
     def abort(self) -> None:
@@ -509,10 +527,12 @@ def _verify_written(
     verify: str,
     threads: int,
     ctx: str,
+    written: Sequence[IndexEntry],
     checked: set[int] | None = None,
 ) -> None:
-    """Size and index checks; with verify="full" the cold re-read of every entry not
-    `checked` (by offset) already as it was written."""
+    """Size and index checks; with verify="full" the cold re-read of every range written
+    (`written`: the file's ranges, as entries) not `checked` (by offset) already as it was
+    written."""
     size = storage.size(shard_path)
     if size != index.shard_size:
         raise ShardSizeMismatch(
@@ -522,11 +542,7 @@ def _verify_written(
     if reread != index_bytes:
         raise CorruptCheckpoint(f"{index_path} reads back different from what was written")
     if verify == "full":
-        rest = [
-            e
-            for e in index.entries
-            if e.borrowed_from is None and (not checked or e.offset not in checked)
-        ]
+        rest = [e for e in written if not checked or e.offset not in checked]
         if not rest:
             return
         problems = verify_entries(storage, shard_path, rest, index.block_size, threads=threads)

@@ -36,9 +36,15 @@ from ckptd.server.client import CoordinatorClient
 
 
 def make_state(seed: int, rank: int, step: int, frozen: bool = False) -> dict:
-    """frozen: add a tensor equal at every step (what an incremental save borrows)."""
+    """frozen: add a 4 MiB tensor (4 hash blocks) of which only block `seed % 4` differs
+    from step to step: an incremental save borrows the other blocks of the entry from the
+    step before and writes only the changed ones (block references)."""
     g = torch.Generator().manual_seed(seed)
-    extra = {"frozen": torch.arange(64 * 1024, dtype=torch.float32)} if frozen else {}
+    extra = {}
+    if frozen:
+        t = torch.arange(1 << 20, dtype=torch.float32)
+        t[(seed % 4) * (1 << 18) + 1] = -float(seed)
+        extra = {"frozen": t}
     return {
         **extra,
         "w": torch.randn(48, 40, generator=g),  # replicated: equal on every rank

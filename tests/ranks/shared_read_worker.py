@@ -4,7 +4,9 @@ Run as a multiprocessing (spawn) target: `entry(rank, world, port, mode, job, ou
 
 mode "save": every rank saves steps 1 and 2 of the state below through the zero-config
 coordinator: `rep.*` replicated (the same on every rank), `half` a DTensor Shard(0) (each
-rank its rows). mode "load:<read>[:<keys>]": every rank loads the newest step into zeros
+rank its rows). mode "save-rows": step 1, then step 2 incremental with a few elements of
+some tensors changed (`rows_state`: with a small CKPT_BLOCK_SIZE, entries that borrow
+some blocks); "load:<read>:rows" checks against those values. mode "load:<read>[:<keys>]": every rank loads the newest step into zeros
 with ckpt.load(read=...) (keys: a glob, or all) and checks its values bit-exactly. Each
 rank writes OUT_DIR/<mode>-rank<r>.json with the bytes this process read from storage
 (ckptd.storage.counters), the load's result and its checks.
@@ -47,12 +49,23 @@ def state(world: int, step: int | None) -> dict[str, Any]:
     return out
 
 
-def save(rank: int, world: int, job: str) -> dict[str, Any]:
+def rows_state(world: int, step: int) -> dict[str, Any]:
+    """Step 1's state, and at step 2 a few elements of rep.0, rep.3 and half changed."""
+    out = state(world, 1)
+    if step == 2:
+        for key in ("rep.0", "rep.3"):
+            out[key][[5, 200_000]] += 1.0
+        local = out["half"].to_local()
+        local[[3, HALF_ROWS - 1]] += 1.0
+    return out
+
+
+def save(rank: int, world: int, job: str, rows: bool = False) -> dict[str, Any]:
     import ckpt
 
-    with ckpt.Checkpointer(job) as cp:
+    with ckpt.Checkpointer(job, incremental=rows) as cp:
         for step in (1, 2):
-            cp.save(state(world, step), step, blocking=True)
+            cp.save(rows_state(world, step) if rows else state(world, step), step, blocking=True)
     return {}
 
 
@@ -63,7 +76,7 @@ def load(rank: int, world: int, job: str, mode: str) -> dict[str, Any]:
     from ckptd.storage import counters
 
     _, read, *rest = mode.split(":")
-    keys = rest[0] if rest and rest[0] != "corrupt-transfer" else None
+    keys = rest[0] if rest and rest[0] not in ("corrupt-transfer", "rows") else None
     if "corrupt-transfer" in rest and rank == 1:
         _corrupt_what_rank_receives()
     target = state(world, None)
@@ -73,7 +86,7 @@ def load(rank: int, world: int, job: str, mode: str) -> dict[str, Any]:
     except ckpt.CkptError as e:
         return {"load_error": f"{type(e).__name__}: {e}"}
     got = counters.snapshot() - before
-    want = state(world, res.step)
+    want = rows_state(world, res.step) if "rows" in rest else state(world, res.step)
     checks = {}
     for key, t in target.items():
         if keys is not None and not key.startswith(keys.rstrip("*")):
@@ -121,6 +134,10 @@ def entry(rank: int, world: int, port: int, mode: str, job: str, out_dir: str) -
         port,
         log=os.path.join(out_dir, f"{_name(mode)}-rank{rank}.log"),
         result=os.path.join(out_dir, f"{_name(mode)}-rank{rank}.json"),
-        body=lambda: save(rank, world, job) if mode == "save" else load(rank, world, job, mode),
+        body=lambda: (
+            save(rank, world, job, rows=mode == "save-rows")
+            if mode.startswith("save")
+            else load(rank, world, job, mode)
+        ),
         base={"rank": rank, "checks": {}},
     )

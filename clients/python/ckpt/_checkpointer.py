@@ -42,6 +42,7 @@ from ckptd.errors import CheckpointNotFound, CkptError, CoordinatorUnavailable, 
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout
+from ckptd.format.incremental import borrowable
 from ckptd.format.writer import ShardWriteStats
 from ckptd.storage import JobLocation, Storage, open_storage
 
@@ -55,12 +56,13 @@ class Checkpointer:
     coordinator: "host:port" of a `ckptd serve`; default $CKPTD_ADDRESS, else zero-config
         (this process, or rank 0 under torchrun, hosts one).
     keep_last: keep the newest N committed steps (None: keep all).
-    incremental: write only the entries whose bytes changed since the step this state
-        descends from (every block hash compared); the others borrow that step's bytes
-        (docs/format.md, Borrowed entries). For states with large unchanged parts (a
-        frozen base under LoRA, reference models); nothing is saved when every weight
-        changes. Off by default: a step that borrows is format version 3, which older
-        ckptd refuse, and its lenders stay while it is kept.
+    incremental: write only the blocks whose bytes changed since the step this state
+        descends from (every block hash compared); the others borrow the bytes of the
+        steps that hold them (docs/format.md, Borrowed entries and blocks). For states
+        with large unchanged parts (a frozen base under LoRA, reference models, embedding
+        rows no batch touched); nothing is saved when every weight changes. Off by
+        default: a step that borrows is format version 3 (4 when it borrows blocks of an
+        entry), which older ckptd refuse, and its lenders stay while it is kept.
     mirror: a second tier (an fsspec URL such as "s3://bucket/job", a path, or a Storage
         built with its own options, e.g. FsspecStorage(url, endpoint_url=...)): each
         committed step is copied there in the background, read back and verified, and
@@ -357,7 +359,7 @@ class Checkpointer:
         )
         if job.options.incremental:
             # Unchanged entries borrow the bytes of the step this state descends from.
-            job.borrow_from(ckfmt.borrowable(self.storage, parent, self.rank))
+            job.borrow_from(borrowable(self.storage, parent, self.rank))
         if job.over_budget:
             with save.leased(begun.lease_s):
                 job.write_overflow(begun.write, digests)

@@ -18,10 +18,12 @@ assigned staged entries from the image to their packed places (`write`), fsyncs,
 indexes and verifies.
 
 An incremental save (SaveOptions.incremental) is given, before the layout is fixed, what
-its base (the step it descends from) holds for this rank (`borrow_from`): an assigned
-entry whose every block hash equals the base's entry of the same key and box is not
-written, its index entry borrows the bytes from the step that holds them; the packed
-file holds only the entries that changed.
+its base (the step it descends from) holds for this rank (`borrow_from`): of an assigned
+entry, every block whose hash equals the same block of the base's entry of the same key
+and box is not written, and the index entry borrows it from the step that holds it
+(ckptd.format.incremental); the packed file holds only the changed blocks, each run of
+them a write unit (`units`) at its packed place. An entry with no changed block borrows
+whole (format version 3 when one lender's file holds it in one run).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from ckpt._staging import HostImage, stage
 from ckptd import knobs
 from ckptd.coordinator.core import SaveRef
 from ckptd.coordinator.planning import ChunkPlan
-from ckptd.format.checkpoint import borrow_key
-from ckptd.format.manifest import IndexEntry, ShardInfo
-from ckptd.format.writer import ShardWriter, ShardWriteStats, hash_items, plan_offsets
+from ckptd.format import layout
+from ckptd.format.incremental import borrow_key, reuse_blocks
+from ckptd.format.manifest import IndexEntry, ShardInfo, entry_pieces, own_part
+from ckptd.format.writer import ShardWriter, ShardWriteStats, WriteItem, hash_items, plan_offsets
 from ckptd.storage import Storage
 
 VERIFY_LEVELS = ("full", "size")
@@ -109,16 +112,20 @@ class SaveJob:
         self.image, staged, _ = stage(leaves[:n], host, alignment=align)
         self.items = staged + [leaf.write_item(leaf.host_bytes()) for leaf in leaves[n:]]
         self.n_staged = n
-        # Set by the plan: the entries this rank writes (in image order) and their packed
-        # offsets in the shard file of `size` bytes.
+        # Set by the plan: the entries this rank writes, wholly or partly (in image order),
+        # the byte ranges of them it writes (units: (entry, start, end), in file order) and
+        # the units' packed offsets in the shard file of `size` bytes.
         self.assigned: list[int] | None = None
+        self.units: list[tuple[int, int, int]] = []
         self.offsets: list[int] = []
         self.size = 0
         self.writer: ShardWriter | None = None
-        # An incremental save's base entries (checkpoint.borrowable), and the assigned
-        # entries that borrow from it instead of being written (by image position).
+        # An incremental save's base entries (incremental.borrowable), the assigned entries
+        # that borrow all their blocks instead of being written, and those that borrow some
+        # (by image position; for `split`, the index entry and its units' first and count).
         self.base: dict[tuple[Any, ...], IndexEntry] = {}
         self.borrowed: dict[int, IndexEntry] = {}
+        self.split: dict[int, tuple[IndexEntry, int, int]] = {}
         self.overflow_write_s = 0.0  # writing entries past the budget, in the blocking part
 
     @property
@@ -147,7 +154,7 @@ class SaveJob:
         """Over budget, before save() returns: write the assigned entries past the budget
         from the caller's tensors to their packed places."""
         t0 = time.perf_counter()
-        over = [k for k, i in enumerate(self._assign(assigned, digests)) if i >= self.n_staged]
+        over = [k for k, u in enumerate(self._assign(assigned, digests)) if u[0] >= self.n_staged]
         self._write(over, False, digests)
         self.overflow_write_s = time.perf_counter() - t0
 
@@ -156,17 +163,18 @@ class SaveJob:
     ) -> ShardInfo:
         """Write this rank's assigned staged entries from the image; fsync, index, verify."""
         t0 = time.perf_counter()
-        order = self._assign(assigned, digests)
-        self._write([k for k, i in enumerate(order) if i < self.n_staged], True, digests)
+        units = self._assign(assigned, digests)
+        self._write([k for k, u in enumerate(units) if u[0] < self.n_staged], True, digests)
         stats.write_s = time.perf_counter() - t0 + self.overflow_write_s
         assert self.writer is not None
         info = self.writer.finish(
-            [self.items[i] for i in order],
+            [self._unit_item(u) for u in units],
             self.offsets,
-            [digests[i] for i in order],
+            [self._unit_digests(u, digests) for u in units],
             verify=self.options.verify,
             stats=stats,
             borrowed=[self.borrowed[i] for i in sorted(self.borrowed)],
+            split=[(first, count, e) for e, first, count in self.split.values()],
         )
         log.debug(
             "%s: written (%d bytes): write %.3f s, verify %.3f s (%s)",
@@ -184,47 +192,92 @@ class SaveJob:
         return self.size
 
     def written_bytes(self, assigned: list[int]) -> int:
-        return sum(self.items[i].data.nbytes for i in assigned if i not in self.borrowed)
+        """Tensor bytes this rank wrote of `assigned` (only the changed blocks of an entry
+        that borrows the others)."""
+        wanted = set(assigned)
+        return sum(end - start for i, start, end in self.units if i in wanted)
 
     @property
     def borrowed_bytes(self) -> int:
-        return sum(e.length for e in self.borrowed.values())
+        block = knobs.get().block_size
+        split = 0
+        for e, _, _ in self.split.values():
+            own = own_part(e, block)
+            split += e.length - (own.length if own is not None else 0)
+        return sum(e.length for e in self.borrowed.values()) + split
 
     def abort(self) -> None:
         """Remove what this rank wrote before the save was committed or aborted."""
         if self.writer is not None:
             self.writer.abort()
 
-    def _assign(self, assigned: list[int], digests: list[list[str]] | None = None) -> list[int]:
-        """The plan's entries for this rank that it writes, in image order, and their
-        packed layout (so with nothing deduplicated or borrowed the file is laid out
-        exactly like the image). An entry the base holds with the same block hashes is
+    def _assign(
+        self, assigned: list[int], digests: list[list[str]] | None = None
+    ) -> list[tuple[int, int, int]]:
+        """The units this rank writes of the plan's entries, in image order, and their packed
+        layout (so with nothing deduplicated or borrowed the file is laid out exactly like
+        the image). Of an entry the base holds, the blocks with the same hashes are
         borrowed instead (an incremental save)."""
         if self.assigned is None:
+            block = knobs.get().block_size
+            # A borrowed block's offset in its lender's file must be aligned, as an entry's.
+            blocks_ok = block % self.alignment == 0
+            own_file = layout.shard_name(self.ref.rank, self.ref.generation)
             if self.base and digests is not None:
                 for i in assigned:
                     it = self.items[i]
                     old = self.base.get(borrow_key(it))
-                    if old is not None and old.blake3 == digests[i]:
-                        self.borrowed[i] = old
+                    new = None if old is None else reuse_blocks(old, digests[i], block, own_file)
+                    if new is None or (new.borrowed_blocks and not blocks_ok):
+                        continue
+                    new.stats = it.stats
+                    if own_part(new, block) is None:
+                        self.borrowed[i] = new
+                    else:
+                        self.split[i] = (new, 0, 0)
             self.assigned = sorted(i for i in assigned if i not in self.borrowed)
+            self.units = []
+            for i in self.assigned:
+                n = self.items[i].data.nbytes
+                if i not in self.split:
+                    self.units.append((i, 0, n))
+                    continue
+                e = self.split[i][0]
+                first = len(self.units)
+                for p in entry_pieces(e, block):
+                    if p.file == own_file:  # a run of changed blocks
+                        self.units.append((i, p.start, p.start + p.length))
+                self.split[i] = (e, first, len(self.units) - first)
             self.offsets, self.size = plan_offsets(
-                [self.items[i].data.nbytes for i in self.assigned], self.alignment
+                [end - start for _, start, end in self.units], self.alignment
             )
-        return self.assigned
+        return self.units
+
+    def _unit_item(self, unit: tuple[int, int, int]) -> WriteItem:
+        i, start, end = unit
+        it = self.items[i]
+        if start == 0 and end == it.data.nbytes:
+            return it
+        return dataclasses.replace(it, data=it.data[start:end], stats=None)
+
+    def _unit_digests(self, unit: tuple[int, int, int], digests: list[list[str]]) -> list[str]:
+        i, start, end = unit
+        block = knobs.get().block_size
+        return digests[i][start // block : -(-end // block)]
 
     def _write(self, which: list[int], image: bool, digests: list[list[str]]) -> None:
-        """Write the assigned entries at positions `which` of the packed order."""
+        """Write the units at positions `which` of the packed order."""
         if self.writer is None:
             self.writer = self._open()
-        assert self.assigned is not None
-        idx = [self.assigned[k] for k in which]
+        units = [self.units[k] for k in which]
         self.writer.write(
-            [self.items[i] for i in idx],
+            [self._unit_item(u) for u in units],
             [self.offsets[k] for k in which],
             image=self.image if image else None,
-            image_offsets=[self.image_offsets[i] for i in idx] if image else None,
-            digests=[digests[i] for i in idx],
+            image_offsets=[self.image_offsets[i] + start for i, start, _ in units]
+            if image
+            else None,
+            digests=[self._unit_digests(u, digests) for u in units],
         )
 
     def _open(self) -> ShardWriter:

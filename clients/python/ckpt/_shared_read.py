@@ -440,7 +440,8 @@ def _check_received(ck: OpenCheckpoint, p: Piece, data: np.ndarray, block: int) 
         got = hashing.digest(data[lo : lo + min(block, p.entry.length - b * block)])
         if got != p.entry.blake3[b]:
             return (
-                f"{_where(ck)}: key {p.entry.key!r} block {b} received from rank {p.reader} has "
+                f"{_where(ck)}: key {p.entry.key!r} block {p.entry.first_block + b} received "
+                f"from rank {p.reader} has "
                 f"blake3 {got[:16]}..., the index says {p.entry.blake3[b][:16]}...: the "
                 "transfer between ranks is corrupt (the stored copy verified on the reader); "
                 "check the network or set CKPT_SHARED_READ=0 to read on every rank"
