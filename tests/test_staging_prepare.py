@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 import ckpt
 from ckpt._staging import HostImage
+from ckptd.storage import local
 
 
 def test_resume_maps_the_staging_image_off_the_callers_thread(job):
@@ -41,3 +43,21 @@ def test_prepare_then_ensure_waits_and_reuses():
     image.prepare(1 << 20)  # already large enough: nothing new is mapped
     assert image.ensure(1 << 20).ctypes.data == buf.ctypes.data
     image.release()
+
+
+@pytest.mark.parametrize("madvise", ["kernel", "memset fallback"])
+def test_map_populated_gives_zeroed_writable_pages(monkeypatch, madvise):
+    # The mapping faults its pages in with the GIL released (madvise, else a memset of
+    # each piece); either way the caller gets zeroed, writable, page-aligned memory.
+    if madvise != "kernel":
+        monkeypatch.setattr(local, "_madvise", None)
+    size = 3 * local._FAULT_PIECE // 2 + 4096  # more than one memset piece
+    mm, buf = local.map_populated(size)
+    try:
+        assert buf.nbytes == size and buf.ctypes.data % 4096 == 0
+        assert not buf.any()
+        buf[-1] = 7
+        assert mm[size - 1] == 7
+    finally:
+        del buf
+        mm.close()

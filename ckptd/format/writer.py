@@ -54,6 +54,14 @@ class WriteItem:
     stats: tensorstats.TensorStats | None = None
 
 
+def ahead_name(shard_path: str) -> str:
+    """The private name of a shard file written ahead of the coordinator's plan
+    (ShardWriter's ahead=True) until it is published: beside it, never named by an index
+    (so `ckptctl gc` removes one a crash left behind, and retention may recycle it)."""
+    stem, dot, ext = shard_path.rpartition(".")
+    return f"{stem}.ahead.{ext}" if dot else f"{shard_path}.ahead"
+
+
 @dataclasses.dataclass
 class ShardWriteStats:
     bytes: int = 0
@@ -198,6 +206,7 @@ class ShardWriter:
         preallocate: bool | None = None,
         io_threads: int | None = None,
         verify: str | None = None,
+        ahead: bool = False,
     ):
         k = knobs.get()
         # "full": check each window's bytes as soon as they are written (see the module
@@ -211,9 +220,13 @@ class ShardWriter:
         sdir = layout.step_dir(step)
         self.shard_name = layout.shard_name(rank, generation)
         self.index_name = layout.index_name(rank, generation)
-        self.shard_path = f"{sdir}/{self.shard_name}"
+        self.final_path = f"{sdir}/{self.shard_name}"
+        # ahead: written under a private name until publish() (see write_ahead's caller,
+        # ckpt._save_job), so a save the coordinator then refuses never touches the
+        # shard path, which may be a committed step's.
+        self.shard_path = ahead_name(self.final_path) if ahead else self.final_path
         self.index_path = f"{sdir}/{self.index_name}"
-        self.ctx = f"job {job!r} step {step} rank {rank} shard {storage.url}/{self.shard_path}"
+        self.ctx = f"job {job!r} step {step} rank {rank} shard {storage.url}/{self.final_path}"
         self._open = False
         try:
             storage.makedirs(f"{sdir}/{layout.SHARDS_DIR}")
@@ -301,6 +314,21 @@ class ShardWriter:
         _write_window(self.handle, window[0], window[1], window[2], progress)
         if early is not None:
             early.wrote(i)
+
+    def publish(self) -> None:
+        """Rename a file written ahead of the plan to the shard's own name (a no-op for
+        one that was not); before finish(), which makes it and its directory durable."""
+        if self.shard_path == self.final_path:
+            return
+        try:
+            self.storage.rename(self.shard_path, self.final_path)
+        except BaseException as e:
+            # The rename may have happened (a failed fsync of the directory after it):
+            # the plan made the shard's name this save's, so both names go.
+            self.abort()
+            _remove_quietly(self.storage, self.final_path)
+            _reraise(e, self.ctx)
+        self.shard_path = self.final_path
 
     def finish(
         self,

@@ -344,19 +344,27 @@ class Checkpointer:
             # Nothing saved or loaded here yet: the state continues the job's live line.
             parent = ckfmt.latest_step(self.storage)
         save = RankSave(self._save_client, job.ref, timeout_s=self.timeout_s)
+        ahead = job.may_write_ahead(self.world_size)  # hashed as written, before the plan
         try:
-            digests = job.digests()
+            digests = job.write_ahead() if ahead else job.digests()
         except BaseException as e:
             save.abort(f"{type(e).__name__}: {e}")
             raise
-        begun = save.begin(
-            job.plan(digests),
-            state=job.node,
-            metadata=job.metadata,
-            allow_divergent=self.allow_divergent,
-            keep_last=job.options.keep_last,
-            parent=parent,
-        )
+        try:
+            begun = save.begin(
+                job.plan(digests),
+                state=job.node,
+                metadata=job.metadata,
+                allow_divergent=self.allow_divergent,
+                keep_last=job.options.keep_last,
+                parent=parent,
+            )
+        except BaseException:
+            job.abort()  # a file written ahead of a refused plan (begin aborted the save)
+            raise
+        if ahead:
+            with save.leased(begun.lease_s):  # a failure here aborts the save
+                job.keep_ahead(begun.write)
         if job.options.incremental:
             # Unchanged entries borrow the bytes of the step this state descends from.
             job.borrow_from(borrowable(self.storage, parent, self.rank))

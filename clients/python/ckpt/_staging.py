@@ -10,8 +10,8 @@ before staging returns.
 
 A fresh buffer costs far more than the copy: on the 2-core VM, copying 2 GiB into new
 pages took 2.9 s (a page fault each) against 0.18 s into mapped ones, and mapping them up
-front (MAP_POPULATE) 0.74 s. So the buffer is always mapped populated, and `prepare`
-does it (and the CUDA registration) on a thread of its own as soon as the state's size
+front (MAP_POPULATE) 0.74 s. So the buffer is always mapped populated (with the GIL
+released: ckptd.storage.local.map_populated), and `prepare` does it (and the CUDA registration) on a thread of its own as soon as the state's size
 is known before the first save (Checkpointer.resume: a training loop resumes, then
 trains, then saves), so the first save's blocking part is a copy like every later one.
 A load alone (inference) maps nothing.
@@ -33,6 +33,7 @@ from ckpt._flatten import Leaf, flatten
 from ckptd import iopool, knobs
 from ckptd.errors import CkptError
 from ckptd.format.writer import WriteItem, plan_offsets
+from ckptd.storage.local import map_populated
 
 _HUGE = 2 << 20
 _COPY_PIECE = 64 << 20
@@ -82,9 +83,7 @@ class HostImage:
         if self._buf is None or self._buf.nbytes < size:
             self.release()
             cap = max(_HUGE, -(-size // _HUGE) * _HUGE)
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            self._mm = mmap.mmap(-1, cap, flags=flags)
-            self._buf = np.frombuffer(self._mm, dtype=np.uint8)
+            self._mm, self._buf = map_populated(cap)
             self.allocated_on = threading.current_thread().name
         assert self._buf is not None
         return self._buf[:size]
