@@ -50,14 +50,23 @@ def two_roots(tmp_path: Path) -> Any:
         b.stop(0.2)
 
 
-def _bare_call(address: str, method: str, token: str | None) -> grpc.RpcError:
-    """`method` with an empty request and the given token; the RpcError it must raise."""
+def _bare_call(
+    address: str, method: str, token: str | None, *, raw_header: bool = False
+) -> grpc.RpcError:
+    """`method` with an empty request and the given token (raw_header: as the header's
+    whole value, without "Bearer "); the RpcError it must raise. A streaming method (the
+    node session) gets its one request as a stream and must be refused when it opens."""
     req = getattr(pb, SERVICE.methods_by_name[method].input_type.name)()
-    md = (("authorization", f"Bearer {token}"),) if token is not None else ()
+    value = token if raw_header else f"Bearer {token}"
+    md = (("authorization", value),) if token is not None else ()
+    streaming = SERVICE.methods_by_name[method].client_streaming
     with grpc.insecure_channel(address) as ch:
         stub = getattr(pb_grpc.CoordinatorStub(ch), method)
         with pytest.raises(grpc.RpcError) as ei:
-            stub(req, timeout=10, metadata=md)
+            if streaming:
+                list(stub(iter([req]), timeout=10, metadata=md))
+            else:
+                stub(req, timeout=10, metadata=md)
     return ei.value
 
 
@@ -72,16 +81,7 @@ def test_every_method_needs_the_token(two_roots, tally, method):
     ]
     for kind, token, why in cases:
         with tally.bad_input(kind):
-            if kind == "auth:not-bearer":
-                with grpc.insecure_channel(a.address) as ch:
-                    req = getattr(pb, SERVICE.methods_by_name[method].input_type.name)()
-                    with pytest.raises(grpc.RpcError) as ei:
-                        getattr(pb_grpc.CoordinatorStub(ch), method)(
-                            req, timeout=10, metadata=(("authorization", TOKEN),)
-                        )
-                err = ei.value
-            else:
-                err = _bare_call(a.address, method, token)
+            err = _bare_call(a.address, method, token, raw_header=kind == "auth:not-bearer")
             assert err.code() == grpc.StatusCode.UNAUTHENTICATED, (kind, err)
             assert why in err.details() and "CKPTD_TOKEN" in err.details(), err.details()
 
