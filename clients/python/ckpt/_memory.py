@@ -274,18 +274,28 @@ class MemorySaver:
         the other nodes' ("peer": the steps any of them holds, read from them alone, so a
         bad local copy falls through to theirs). Peers go in ring order from this node's
         successor, which holds this node's shards."""
-        others: list[Storage] = []
+        others: list[AgentStorage] = []
         for k in range(1, self.nodes):
             node = (self.node + k) % self.nodes
             try:
                 others.append(AgentStorage(self.agent_of(node), node=node))
             except (CkptError, OSError, RuntimeError) as e:
                 log.warning("memory tier: node %d's agent is unknown (%s); skipping it", node, e)
+        away = [o.node for o in others]
         out: list[tuple[str, Storage]] = [
-            ("memory", HeldStorage([self.storage, *others], listed=1, url=self.storage.url))
+            (
+                "memory",
+                HeldStorage(
+                    [self.storage, *others],
+                    nodes=[self.node, *away],
+                    home=self.node,
+                    listed=1,
+                    url=self.storage.url,
+                ),
+            )
         ]
         if others:
-            out.append(("peer", HeldStorage(others)))
+            out.append(("peer", HeldStorage(list(others), nodes=away, home=self.node)))
         return out
 
     # -- save ----------------------------------------------------------------------------
