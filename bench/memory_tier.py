@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -261,6 +262,34 @@ def machine_load() -> tuple[str, list[str]]:
     return " ".join(load), top
 
 
+class MemoryPeak:
+    """The machine's peak memory in use (MemTotal - MemAvailable) and in shared memory
+    (Shmem: the agents' tmpfs files), sampled every 0.2 s while the benchmark runs."""
+
+    def __init__(self) -> None:
+        self.used = self.shmem = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            info = {}
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) << 10
+            self.used = max(self.used, info["MemTotal"] - info["MemAvailable"])
+            self.shmem = max(self.shmem, info.get("Shmem", 0))
+
+    def say(self) -> None:
+        self._stop.set()
+        self._t.join()
+        print(
+            f"  machine memory peak: {self.used / 2**30:.1f} GiB in use (all processes, "
+            f"not page cache), {self.shmem / 2**30:.1f} GiB of it shared memory"
+        )
+
+
 def say_load(when: str) -> None:
     load, top = machine_load()
     print(f"[{time.strftime('%H:%M:%S', time.gmtime())} UTC] load average {load} ({when})")
@@ -293,12 +322,28 @@ def recovery(args: argparse.Namespace, work: Path, shm: str) -> None:
             f"  recover from {tier:8s} start->first step {med(r['wall'])}   resume {med(r['resume'])}"
             f"   loaded from {r['tiers'][0]} step {r['steps'][0]}"
         )
+    say_saves(train)
+
+
+def say_saves(train: list[dict[str, Any]]) -> None:
     for kind in ("memory", "persistent"):
         saves = [s for x in train for s in x["saves"] if s["kind"] == kind]
         print(
             f"  {kind:10s} save: stall {med([s['stall_s'] for s in saves])}   "
             f"until placed/committed {med([s['total_s'] for s in saves])}   ({len(saves)} rank-saves)"
         )
+
+
+def saves_only(args: argparse.Namespace, work: Path, shm: str) -> None:
+    """The training launch alone, --reps times, each with a fresh job and fresh agents."""
+    train: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        for node in (0, 1):
+            wipe(shm, node)
+        train += launch(str(work / f"job{rep}"), shm, work / "out", "train", args.gib_per_node)[1]
+        shutil.rmtree(work / f"job{rep}", ignore_errors=True)
+    print(f"saves: {args.gib_per_node:.2f} GiB per node (2 nodes, 4 ranks), {args.reps} launches")
+    say_saves(train)
 
 
 def sweep(args: argparse.Namespace, work: Path, shm: str) -> None:
@@ -357,6 +402,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="bench/results/tmp-data")
     ap.add_argument("--no-recovery", action="store_true", help="only the sweep")
+    ap.add_argument("--saves-only", action="store_true", help="only the training launch's saves")
     ap.add_argument("--sweep", action="store_true", help="also the every-k sweep")
     ap.add_argument("--sweep-gib-per-node", type=float, default=0.0625)
     ap.add_argument("--every", default="5,10,25,50,100")
@@ -366,7 +412,13 @@ def main() -> None:
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="memtier-", dir=args.dir))
     shm = tempfile.mkdtemp(prefix="ckptd-bench-", dir="/dev/shm")
+    peak = MemoryPeak()
     try:
+        if args.saves_only:
+            say_load("before saves")
+            saves_only(args, work, shm)
+            say_load("after saves")
+            return
         if not args.no_recovery:
             say_load("before recovery")
             recovery(args, work, shm)
@@ -378,6 +430,7 @@ def main() -> None:
             sweep(args, work, shm)
             say_load("after sweep")
     finally:
+        peak.say()
         for node in (0, 1):
             wipe(shm, node)
         shutil.rmtree(shm, ignore_errors=True)
