@@ -215,6 +215,8 @@ def launch(
     for p in procs:
         p.join(1800)
         if p.exitcode != 0:
+            for log in sorted(Path(shm).glob("node*/agent.log")):
+                print(f"--- {log}:\n{log.read_text()[-2000:]}")
             raise SystemExit(f"{mode}: a rank failed (exit {p.exitcode})")
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     return max(r.get("first_step_unix", t0) for r in results) - t0, results
@@ -262,24 +264,54 @@ def machine_load() -> tuple[str, list[str]]:
     return " ".join(load), top
 
 
+def meminfo() -> dict[str, int]:
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        info[key] = int(rest.split()[0]) << 10
+    return info
+
+
+def need_gib(gib_per_node: float, ranks: int) -> float:
+    """What a run holds at its peak (the training launch): per node the state, one
+    staging image (memory and persistent saves share it unless both are in flight), and
+    in shared memory two steps (max_steps=2: the newest committed one and the one being
+    written) of the node's own shard and its peer's; plus ~0.4 GiB a process (python,
+    torch, gloo)."""
+    return 2 * gib_per_node * (1 + 1 + 2 * 2) + 0.4 * (ranks + 3)
+
+
 class MemoryPeak:
     """The machine's peak memory in use (MemTotal - MemAvailable) and in shared memory
-    (Shmem: the agents' tmpfs files), sampled every 0.2 s while the benchmark runs."""
+    (Shmem: the agents' tmpfs files), sampled every 0.2 s while the benchmark runs. The
+    machine is shared: when less than `floor` bytes stay available, the benchmark stops
+    (its ranks killed, its agents killed and their shared memory removed) rather than
+    push the machine into the OOM killer."""
 
-    def __init__(self) -> None:
+    def __init__(self, shm: str, floor: int) -> None:
         self.used = self.shmem = 0
+        self.shm, self.floor = shm, floor
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.2):
-            info = {}
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                key, _, rest = line.partition(":")
-                info[key] = int(rest.split()[0]) << 10
+            info = meminfo()
             self.used = max(self.used, info["MemTotal"] - info["MemAvailable"])
             self.shmem = max(self.shmem, info.get("Shmem", 0))
+            if info["MemAvailable"] < self.floor:
+                print(
+                    f"STOPPED: {info['MemAvailable'] / 2**30:.1f} GiB available, under the "
+                    f"{self.floor / 2**30:.1f} GiB floor; killing this benchmark's processes",
+                    flush=True,
+                )
+                for p in mp.active_children():
+                    p.kill()
+                for node in (0, 1):
+                    wipe(self.shm, node)
+                shutil.rmtree(self.shm, ignore_errors=True)
+                os._exit(3)
 
     def say(self) -> None:
         self._stop.set()
@@ -346,6 +378,42 @@ def saves_only(args: argparse.Namespace, work: Path, shm: str) -> None:
     say_saves(train)
 
 
+def seal_cost(args: argparse.Namespace, shm: str) -> None:
+    """What the agent's seal costs for one rank's shard (half a node's state), with and
+    without hashing its blocks again (ckptd.agent.holdings.seal no longer does): wall and
+    CPU seconds, in this process, on a shard written into shared memory."""
+    import numpy as np
+
+    from ckptd.agent.holdings import Budget, Holdings
+    from ckptd.format import layout
+    from ckptd.format.writer import ShardWriter, WriteItem, hash_items, plan_offsets
+
+    hold = Holdings(f"{shm}/seal", Budget())
+    nbytes = int(args.gib_per_node * (1 << 30) / 2)
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    items = [WriteItem("w", "uint8", [nbytes], [0], [nbytes], data)]
+    offsets, size = plan_offsets([nbytes], 4096)
+    digests = hash_items(items)
+    hold.prepare(1, [layout.shard_name(0), layout.index_name(0)], size)
+    w = ShardWriter(hold.storage, job="j", step=1, rank=0, world_size=1, generation=0, size=size)
+    w.write(items, offsets, digests=digests)
+    shard = w.finish(items, offsets, digests, verify="size")
+    del data, items
+    rows: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
+    for _ in range(args.reps):
+        for blocks in (True, False):
+            t, c = time.perf_counter(), time.process_time()
+            hold._verify(1, shard, blocks=blocks)
+            rows[blocks][0].append(time.perf_counter() - t)
+            rows[blocks][1].append(time.process_time() - c)
+    print(
+        f"seal of one rank's shard ({nbytes / 2**30:.2f} GiB), {args.reps} reps, median (min-max) s"
+    )
+    for blocks, (wall, cpu) in rows.items():
+        what = "index + size + every block (before)" if blocks else "index + size (now)"
+        print(f"  {what:36s} wall {med(wall)}   cpu {med(cpu)}")
+
+
 def sweep(args: argparse.Namespace, work: Path, shm: str) -> None:
     opts = {
         "world": 2,
@@ -403,6 +471,10 @@ def main() -> None:
     ap.add_argument("--dir", default="bench/results/tmp-data")
     ap.add_argument("--no-recovery", action="store_true", help="only the sweep")
     ap.add_argument("--saves-only", action="store_true", help="only the training launch's saves")
+    ap.add_argument("--seal-only", action="store_true", help="only the agent's seal, timed")
+    ap.add_argument(
+        "--floor-gib", type=float, default=2.0, help="stop when less memory stays available"
+    )
     ap.add_argument("--sweep", action="store_true", help="also the every-k sweep")
     ap.add_argument("--sweep-gib-per-node", type=float, default=0.0625)
     ap.add_argument("--every", default="5,10,25,50,100")
@@ -411,9 +483,25 @@ def main() -> None:
     args = ap.parse_args()
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="memtier-", dir=args.dir))
+    need = need_gib(args.gib_per_node, WORLD)
+    avail = meminfo()["MemAvailable"] / 2**30
+    print(f"estimated peak {need:.1f} GiB; {avail:.1f} GiB available now")
+    if (
+        not (args.saves_only or args.seal_only or args.no_recovery)
+        and need + args.floor_gib > avail
+    ):
+        raise SystemExit(
+            f"--gib-per-node {args.gib_per_node} needs about {need:.1f} GiB and "
+            f"{avail:.1f} GiB are available (keeping {args.floor_gib} GiB free): not run"
+        )
     shm = tempfile.mkdtemp(prefix="ckptd-bench-", dir="/dev/shm")
-    peak = MemoryPeak()
+    peak = MemoryPeak(shm, int(args.floor_gib * 2**30))
     try:
+        if args.seal_only:
+            say_load("before seal")
+            seal_cost(args, shm)
+            say_load("after seal")
+            return
         if args.saves_only:
             say_load("before saves")
             saves_only(args, work, shm)
