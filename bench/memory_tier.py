@@ -196,10 +196,9 @@ def _write(out: str, rank: int, res: dict[str, Any]) -> None:
 
 
 def launch(
-    job: str, shm: str, out: Path, mode: str, gib: float, opts: dict | None = None
+    job: str, shm: str, out: Path, mode: str, gib: float, world: int, opts: dict | None = None
 ) -> tuple[float, list[dict]]:
-    opts = opts or {}
-    world = opts.get("world", WORLD)
+    opts = dict(opts or {}, world=world)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -303,9 +302,12 @@ class MemoryPeak:
             if info["MemAvailable"] < self.floor:
                 print(
                     f"STOPPED: {info['MemAvailable'] / 2**30:.1f} GiB available, under the "
-                    f"{self.floor / 2**30:.1f} GiB floor; killing this benchmark's processes",
+                    f"{self.floor / 2**30:.1f} GiB floor ({self.used / 2**30:.1f} GiB in use, "
+                    f"{self.shmem / 2**30:.1f} GiB shared memory at the peak); killing this "
+                    "benchmark's processes",
                     flush=True,
                 )
+                say_load("at the stop")
                 for p in mp.active_children():
                     p.kill()
                 for node in (0, 1):
@@ -330,24 +332,29 @@ def say_load(when: str) -> None:
 
 
 def recovery(args: argparse.Namespace, work: Path, shm: str) -> None:
+    world = 2 * args.ranks_per_node
     job = str(work / "job")
     floor = [
-        launch(job, shm, work / "out", "floor", args.gib_per_node)[0] for _ in range(args.reps)
+        launch(job, shm, work / "out", "floor", args.gib_per_node, world)[0]
+        for _ in range(args.reps)
     ]
-    _, train = launch(job, shm, work / "out", "train", args.gib_per_node)
+    _, train = launch(job, shm, work / "out", "train", args.gib_per_node, world)
     rows: dict[str, dict[str, list[Any]]] = {}
     for tier, lost in (("memory", ()), ("peer", (1,)), ("storage", (0, 1))):
         for _ in range(args.reps):
             for node in lost:
                 wipe(shm, node)
-            wall, res = launch(job, shm, work / "out", "recover", args.gib_per_node)
+            wall, res = launch(job, shm, work / "out", "recover", args.gib_per_node, world)
             r = rows.setdefault(tier, {"wall": [], "resume": [], "tiers": [], "steps": []})
             r["wall"].append(wall)
             r["resume"].append(max(x["resume_s"] for x in res))
             r["tiers"].append(sorted({x["tier"] for x in res}))
             r["steps"].append(sorted({x["step"] for x in res}))
     gib = args.gib_per_node
-    print(f"state {gib:.2f} GiB per node (2 nodes, 4 ranks), {args.reps} reps, median (min-max) s")
+    print(
+        f"state {gib:.2f} GiB per node (2 nodes, {world} ranks), {args.reps} reps, "
+        "median (min-max) s"
+    )
     print(f"  start-up floor (4 processes: python, torch, gloo group)  {med(floor)}")
     for tier, r in rows.items():
         print(
@@ -368,13 +375,18 @@ def say_saves(train: list[dict[str, Any]]) -> None:
 
 def saves_only(args: argparse.Namespace, work: Path, shm: str) -> None:
     """The training launch alone, --reps times, each with a fresh job and fresh agents."""
+    world = 2 * args.ranks_per_node
     train: list[dict[str, Any]] = []
     for rep in range(args.reps):
         for node in (0, 1):
             wipe(shm, node)
-        train += launch(str(work / f"job{rep}"), shm, work / "out", "train", args.gib_per_node)[1]
+        train += launch(
+            str(work / f"job{rep}"), shm, work / "out", "train", args.gib_per_node, world
+        )[1]
         shutil.rmtree(work / f"job{rep}", ignore_errors=True)
-    print(f"saves: {args.gib_per_node:.2f} GiB per node (2 nodes, 4 ranks), {args.reps} launches")
+    print(
+        f"saves: {args.gib_per_node:.2f} GiB per node (2 nodes, {world} ranks), {args.reps} launches"
+    )
     say_saves(train)
 
 
@@ -423,7 +435,7 @@ def sweep(args: argparse.Namespace, work: Path, shm: str) -> None:
         "base_steps": args.base_steps,
     }
     gib = args.sweep_gib_per_node
-    _, res = launch(str(work / "sweep-job"), shm, work / "out", "sweep", gib, opts)
+    _, res = launch(str(work / "sweep-job"), shm, work / "out", "sweep", gib, 2, opts)
     phases = res[0]["phases"]  # the ranks are in step: rank 0's view
     # Each memory phase against the mean of the baseline phases next to it (drift).
     bases = [(i, p) for i, p in enumerate(phases) if p["kind"] == "base"]
@@ -472,6 +484,7 @@ def main() -> None:
     ap.add_argument("--no-recovery", action="store_true", help="only the sweep")
     ap.add_argument("--saves-only", action="store_true", help="only the training launch's saves")
     ap.add_argument("--seal-only", action="store_true", help="only the agent's seal, timed")
+    ap.add_argument("--ranks-per-node", type=int, default=WORLD // 2)
     ap.add_argument(
         "--floor-gib", type=float, default=2.0, help="stop when less memory stays available"
     )
@@ -483,7 +496,7 @@ def main() -> None:
     args = ap.parse_args()
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="memtier-", dir=args.dir))
-    need = need_gib(args.gib_per_node, WORLD)
+    need = need_gib(args.gib_per_node, 2 * args.ranks_per_node)
     avail = meminfo()["MemAvailable"] / 2**30
     print(f"estimated peak {need:.1f} GiB; {avail:.1f} GiB available now")
     if (
