@@ -15,7 +15,14 @@ one training step, `--reps` times per tier:
 "process start -> first step" is the wall time from starting the four processes to the
 last rank's first step after resume (it includes Python and torch start-up, measured
 alone as "start-up floor": four processes that import torch, join the group and exit);
-"resume" is Checkpointer.resume alone, per rank.
+"resume" is Checkpointer.resume alone, per rank. `--ranks-per-node 1` runs two ranks
+(one a node) with the same bytes per node.
+
+Also: `--saves-only` (the training launch alone, --reps times: the saves' stall and
+background time), `--seal-only` (the agent's seal of one rank's shard, with and without
+hashing its blocks again), `--sweep` (the interval a memory save may run at for a 2%
+slowdown, bench/README.md). The machine is shared: the run is refused when its estimated
+peak does not fit, and stopped when less than --floor-gib stays available.
 """
 
 from __future__ import annotations
@@ -355,7 +362,7 @@ def recovery(args: argparse.Namespace, work: Path, shm: str) -> None:
         f"state {gib:.2f} GiB per node (2 nodes, {world} ranks), {args.reps} reps, "
         "median (min-max) s"
     )
-    print(f"  start-up floor (4 processes: python, torch, gloo group)  {med(floor)}")
+    print(f"  start-up floor ({world} processes: python, torch, gloo group)  {med(floor)}")
     for tier, r in rows.items():
         print(
             f"  recover from {tier:8s} start->first step {med(r['wall'])}   resume {med(r['resume'])}"
