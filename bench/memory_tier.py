@@ -15,7 +15,14 @@ one training step, `--reps` times per tier:
 "process start -> first step" is the wall time from starting the four processes to the
 last rank's first step after resume (it includes Python and torch start-up, measured
 alone as "start-up floor": four processes that import torch, join the group and exit);
-"resume" is Checkpointer.resume alone, per rank.
+"resume" is Checkpointer.resume alone, per rank. `--ranks-per-node 1` runs two ranks
+(one a node) with the same bytes per node.
+
+Also: `--saves-only` (the training launch alone, --reps times: the saves' stall and
+background time), `--seal-only` (the agent's seal of one rank's shard, with and without
+hashing its blocks again), `--sweep` (the interval a memory save may run at for a 2%
+slowdown, bench/README.md). The machine is shared: the run is refused when its estimated
+peak does not fit, and stopped when less than --floor-gib stays available.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -195,10 +203,9 @@ def _write(out: str, rank: int, res: dict[str, Any]) -> None:
 
 
 def launch(
-    job: str, shm: str, out: Path, mode: str, gib: float, opts: dict | None = None
+    job: str, shm: str, out: Path, mode: str, gib: float, world: int, opts: dict | None = None
 ) -> tuple[float, list[dict]]:
-    opts = opts or {}
-    world = opts.get("world", WORLD)
+    opts = dict(opts or {}, world=world)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -214,6 +221,8 @@ def launch(
     for p in procs:
         p.join(1800)
         if p.exitcode != 0:
+            for log in sorted(Path(shm).glob("node*/agent.log")):
+                print(f"--- {log}:\n{log.read_text()[-2000:]}")
             raise SystemExit(f"{mode}: a rank failed (exit {p.exitcode})")
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     return max(r.get("first_step_unix", t0) for r in results) - t0, results
@@ -261,6 +270,67 @@ def machine_load() -> tuple[str, list[str]]:
     return " ".join(load), top
 
 
+def meminfo() -> dict[str, int]:
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        info[key] = int(rest.split()[0]) << 10
+    return info
+
+
+def need_gib(gib_per_node: float, ranks: int) -> float:
+    """What a run holds at its peak (the training launch): per node the state, one
+    staging image (memory and persistent saves share it unless both are in flight), and
+    in shared memory two steps (max_steps=2: the newest committed one and the one being
+    written) of the node's own shard and its peer's; plus ~0.4 GiB a process (python,
+    torch, gloo)."""
+    return 2 * gib_per_node * (1 + 1 + 2 * 2) + 0.4 * (ranks + 3)
+
+
+class MemoryPeak:
+    """The machine's peak memory in use (MemTotal - MemAvailable) and in shared memory
+    (Shmem: the agents' tmpfs files), sampled every 0.2 s while the benchmark runs. The
+    machine is shared: when less than `floor` bytes stay available, the benchmark stops
+    (its ranks killed, its agents killed and their shared memory removed) rather than
+    push the machine into the OOM killer."""
+
+    def __init__(self, shm: str, floor: int) -> None:
+        self.used = self.shmem = 0
+        self.shm, self.floor = shm, floor
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            info = meminfo()
+            self.used = max(self.used, info["MemTotal"] - info["MemAvailable"])
+            self.shmem = max(self.shmem, info.get("Shmem", 0))
+            if info["MemAvailable"] < self.floor:
+                print(
+                    f"STOPPED: {info['MemAvailable'] / 2**30:.1f} GiB available, under the "
+                    f"{self.floor / 2**30:.1f} GiB floor ({self.used / 2**30:.1f} GiB in use, "
+                    f"{self.shmem / 2**30:.1f} GiB shared memory at the peak); killing this "
+                    "benchmark's processes",
+                    flush=True,
+                )
+                say_load("at the stop")
+                for p in mp.active_children():
+                    p.kill()
+                for node in (0, 1):
+                    wipe(self.shm, node)
+                shutil.rmtree(self.shm, ignore_errors=True)
+                os._exit(3)
+
+    def say(self) -> None:
+        self._stop.set()
+        self._t.join()
+        print(
+            f"  machine memory peak: {self.used / 2**30:.1f} GiB in use (all processes, "
+            f"not page cache), {self.shmem / 2**30:.1f} GiB of it shared memory"
+        )
+
+
 def say_load(when: str) -> None:
     load, top = machine_load()
     print(f"[{time.strftime('%H:%M:%S', time.gmtime())} UTC] load average {load} ({when})")
@@ -269,36 +339,98 @@ def say_load(when: str) -> None:
 
 
 def recovery(args: argparse.Namespace, work: Path, shm: str) -> None:
+    world = 2 * args.ranks_per_node
     job = str(work / "job")
     floor = [
-        launch(job, shm, work / "out", "floor", args.gib_per_node)[0] for _ in range(args.reps)
+        launch(job, shm, work / "out", "floor", args.gib_per_node, world)[0]
+        for _ in range(args.reps)
     ]
-    _, train = launch(job, shm, work / "out", "train", args.gib_per_node)
+    _, train = launch(job, shm, work / "out", "train", args.gib_per_node, world)
     rows: dict[str, dict[str, list[Any]]] = {}
     for tier, lost in (("memory", ()), ("peer", (1,)), ("storage", (0, 1))):
         for _ in range(args.reps):
             for node in lost:
                 wipe(shm, node)
-            wall, res = launch(job, shm, work / "out", "recover", args.gib_per_node)
+            wall, res = launch(job, shm, work / "out", "recover", args.gib_per_node, world)
             r = rows.setdefault(tier, {"wall": [], "resume": [], "tiers": [], "steps": []})
             r["wall"].append(wall)
             r["resume"].append(max(x["resume_s"] for x in res))
             r["tiers"].append(sorted({x["tier"] for x in res}))
             r["steps"].append(sorted({x["step"] for x in res}))
     gib = args.gib_per_node
-    print(f"state {gib:.2f} GiB per node (2 nodes, 4 ranks), {args.reps} reps, median (min-max) s")
-    print(f"  start-up floor (4 processes: python, torch, gloo group)  {med(floor)}")
+    print(
+        f"state {gib:.2f} GiB per node (2 nodes, {world} ranks), {args.reps} reps, "
+        "median (min-max) s"
+    )
+    print(f"  start-up floor ({world} processes: python, torch, gloo group)  {med(floor)}")
     for tier, r in rows.items():
         print(
             f"  recover from {tier:8s} start->first step {med(r['wall'])}   resume {med(r['resume'])}"
             f"   loaded from {r['tiers'][0]} step {r['steps'][0]}"
         )
+    say_saves(train)
+
+
+def say_saves(train: list[dict[str, Any]]) -> None:
     for kind in ("memory", "persistent"):
         saves = [s for x in train for s in x["saves"] if s["kind"] == kind]
         print(
             f"  {kind:10s} save: stall {med([s['stall_s'] for s in saves])}   "
             f"until placed/committed {med([s['total_s'] for s in saves])}   ({len(saves)} rank-saves)"
         )
+
+
+def saves_only(args: argparse.Namespace, work: Path, shm: str) -> None:
+    """The training launch alone, --reps times, each with a fresh job and fresh agents."""
+    world = 2 * args.ranks_per_node
+    train: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        for node in (0, 1):
+            wipe(shm, node)
+        train += launch(
+            str(work / f"job{rep}"), shm, work / "out", "train", args.gib_per_node, world
+        )[1]
+        shutil.rmtree(work / f"job{rep}", ignore_errors=True)
+    print(
+        f"saves: {args.gib_per_node:.2f} GiB per node (2 nodes, {world} ranks), {args.reps} launches"
+    )
+    say_saves(train)
+
+
+def seal_cost(args: argparse.Namespace, shm: str) -> None:
+    """What the agent's seal costs for one rank's shard (half a node's state), with and
+    without hashing its blocks again (ckptd.agent.holdings.seal no longer does): wall and
+    CPU seconds, in this process, on a shard written into shared memory."""
+    import numpy as np
+
+    from ckptd.agent.holdings import Budget, Holdings
+    from ckptd.format import layout
+    from ckptd.format.writer import ShardWriter, WriteItem, hash_items, plan_offsets
+
+    hold = Holdings(f"{shm}/seal", Budget())
+    nbytes = int(args.gib_per_node * (1 << 30) / 2)
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    items = [WriteItem("w", "uint8", [nbytes], [0], [nbytes], data)]
+    offsets, size = plan_offsets([nbytes], 4096)
+    digests = hash_items(items)
+    hold.prepare(1, [layout.shard_name(0), layout.index_name(0)], size)
+    w = ShardWriter(hold.storage, job="j", step=1, rank=0, world_size=1, generation=0, size=size)
+    w.write(items, offsets, digests=digests)
+    shard = w.finish(items, offsets, digests, verify="size")
+    del data, items
+    rows: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
+    for _ in range(args.reps):
+        for blocks in (True, False):
+            t, c = time.perf_counter(), time.process_time()
+            hold._verify(1, shard, blocks=blocks)
+            rows[blocks][0].append(time.perf_counter() - t)
+            rows[blocks][1].append(time.process_time() - c)
+    print(
+        f"seal of one rank's shard ({nbytes / 2**30:.2f} GiB), {args.reps} reps, median (min-max) s"
+    )
+    for blocks, (wall, cpu) in rows.items():
+        what = "index + size + every block (before)" if blocks else "index + size (now)"
+        print(f"  {what:36s} wall {med(wall)}   cpu {med(cpu)}")
 
 
 def sweep(args: argparse.Namespace, work: Path, shm: str) -> None:
@@ -310,7 +442,7 @@ def sweep(args: argparse.Namespace, work: Path, shm: str) -> None:
         "base_steps": args.base_steps,
     }
     gib = args.sweep_gib_per_node
-    _, res = launch(str(work / "sweep-job"), shm, work / "out", "sweep", gib, opts)
+    _, res = launch(str(work / "sweep-job"), shm, work / "out", "sweep", gib, 2, opts)
     phases = res[0]["phases"]  # the ranks are in step: rank 0's view
     # Each memory phase against the mean of the baseline phases next to it (drift).
     bases = [(i, p) for i, p in enumerate(phases) if p["kind"] == "base"]
@@ -357,6 +489,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="bench/results/tmp-data")
     ap.add_argument("--no-recovery", action="store_true", help="only the sweep")
+    ap.add_argument("--saves-only", action="store_true", help="only the training launch's saves")
+    ap.add_argument("--seal-only", action="store_true", help="only the agent's seal, timed")
+    ap.add_argument("--ranks-per-node", type=int, default=WORLD // 2)
+    ap.add_argument(
+        "--floor-gib", type=float, default=2.0, help="stop when less memory stays available"
+    )
     ap.add_argument("--sweep", action="store_true", help="also the every-k sweep")
     ap.add_argument("--sweep-gib-per-node", type=float, default=0.0625)
     ap.add_argument("--every", default="5,10,25,50,100")
@@ -365,8 +503,30 @@ def main() -> None:
     args = ap.parse_args()
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="memtier-", dir=args.dir))
+    need = need_gib(args.gib_per_node, 2 * args.ranks_per_node)
+    avail = meminfo()["MemAvailable"] / 2**30
+    print(f"estimated peak {need:.1f} GiB; {avail:.1f} GiB available now")
+    if (
+        not (args.saves_only or args.seal_only or args.no_recovery)
+        and need + args.floor_gib > avail
+    ):
+        raise SystemExit(
+            f"--gib-per-node {args.gib_per_node} needs about {need:.1f} GiB and "
+            f"{avail:.1f} GiB are available (keeping {args.floor_gib} GiB free): not run"
+        )
     shm = tempfile.mkdtemp(prefix="ckptd-bench-", dir="/dev/shm")
+    peak = MemoryPeak(shm, int(args.floor_gib * 2**30))
     try:
+        if args.seal_only:
+            say_load("before seal")
+            seal_cost(args, shm)
+            say_load("after seal")
+            return
+        if args.saves_only:
+            say_load("before saves")
+            saves_only(args, work, shm)
+            say_load("after saves")
+            return
         if not args.no_recovery:
             say_load("before recovery")
             recovery(args, work, shm)
@@ -378,6 +538,7 @@ def main() -> None:
             sweep(args, work, shm)
             say_load("after sweep")
     finally:
+        peak.say()
         for node in (0, 1):
             wipe(shm, node)
         shutil.rmtree(shm, ignore_errors=True)

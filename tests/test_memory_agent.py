@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd.agent.client import AgentClient, AgentStorage
+from ckpt import _provenance
+from ckptd.agent.client import AgentClient, AgentStorage, HeldStorage
 from ckptd.agent.holdings import Budget, Holdings
 from ckptd.agent.server import AgentServer
 from ckptd.errors import (
@@ -111,16 +112,31 @@ def test_a_shard_is_verified_then_copied_to_the_peer_and_verified_there(agents):
 
 
 def test_a_flipped_bit_is_caught_on_arrival(agents, tally):
-    a = agents(0)
+    # A block the rank wrote wrong into its node's memory (after hashing it): its own agent
+    # does not hash it again (ckptd.agent.holdings.seal), the peer does, on arrival, and
+    # refuses the copy, so the shard is held on one node and the step cannot commit.
+    a, b = agents(0), agents(1)
     shard = write_shard(a, 3, 0, 10_000)
     path = Path(a.holdings.root) / layout.step_dir(3) / shard["path"]
     raw = bytearray(path.read_bytes())
     raw[5] ^= 1
     path.write_bytes(bytes(raw))
     with tally.fault("memory-agent:bitflip-on-arrival"):
-        with pytest.raises(HashMismatch, match="do not match the hashes computed at save"):
-            a.client.call("seal", "t", step=3, shard=shard, replicas=[])
-        assert not path.exists()  # a refused copy is not held
+        reply, _ = a.client.call("seal", "t", step=3, shard=shard, replicas=[b.address])
+        assert [h["node"] for h in reply["held"]] == [0]
+        assert len(reply["failures"]) == 1
+        assert "do not match the hashes computed at save" in reply["failures"][0]
+        peer = Path(b.holdings.root) / layout.step_dir(3) / shard["path"]
+        assert not peer.exists()  # a refused copy is not held
+
+
+def test_seal_refuses_an_index_other_than_the_one_the_rank_reported(agents, tally):
+    a = agents(0)
+    shard = write_shard(a, 3, 0, 10_000)
+    with tally.fault("memory-agent:index-digest"):
+        with pytest.raises(HashMismatch, match="does not hash to the digest the rank reported"):
+            a.client.call("seal", "t", step=3, shard={**shard, "index_blake3": "0" * 64})
+        assert not (Path(a.holdings.root) / layout.step_dir(3) / shard["path"]).exists()
 
 
 def test_a_shard_over_the_budget_is_refused_naming_it(agents, tally):
@@ -155,3 +171,37 @@ def test_unknown_ops_and_bad_shards_are_refused(agents, tally):
     with tally.bad_input("memory-agent:shard"):
         with pytest.raises(CkptError):
             client.call("seal", "t", step=1, shard={"rank": 0, "path": "../x"}, replicas=[])
+
+
+def test_a_held_load_names_the_node_each_file_came_from(agents):
+    # Node 0 holds rank 0's shard, node 1 rank 1's: a load on node 0 reads rank 1's from
+    # node 1's agent, and says so per file (LoadResult.shard_tiers, ckpt._provenance).
+    a, b = agents(0), agents(1)
+    mine, theirs = write_shard(a, 3, 0, 10_000), write_shard(b, 3, 1, 10_000)
+    for srv, shard in ((a, mine), (b, theirs)):
+        srv.client.call("seal", "t", step=3, shard=shard, replicas=[])
+    sdir = layout.step_dir(3)
+    files = [f"{sdir}/{mine['path']}", f"{sdir}/{theirs['path']}"]
+    held = HeldStorage(
+        [a.holdings.storage, AgentStorage(b.client, node=1)], nodes=[0, 1], home=0, listed=1
+    )
+    for f in files:
+        held.open_read(f).read(0, 100)
+    assert _provenance.alone("memory", held, files) == {
+        files[0]: "memory",
+        files[1]: "peer:node1",
+    }
+    # On node 1 (its peer tier lists node 0 first) the same files are named from there.
+    there = HeldStorage(
+        [b.holdings.storage, AgentStorage(a.client, node=0)], nodes=[1, 0], home=1, listed=1
+    )
+    assert _provenance.alone("memory", there, files) == {
+        files[0]: "peer:node0",
+        files[1]: "memory",
+    }
+    # A shared read: another rank read a file (its place travels as "node:<N>").
+    places = [{files[1]: _provenance.place("memory", held, files[1])}, {files[1]: "node:1"}]
+    assert _provenance.together(held, {files[1]: {0, 1}}, places) == {files[1]: "peer:node1"}
+    assert _provenance.together(there, {files[1]: {0}}, places) == {files[1]: "memory"}
+    # Storage's tiers are named as such.
+    assert _provenance.alone("local", a.holdings.storage, files[:1]) == {files[0]: "local"}

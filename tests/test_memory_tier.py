@@ -49,6 +49,16 @@ def run_job(
     return results
 
 
+def by_rank(shard_tiers: dict[str, str]) -> dict[int, str]:
+    """LoadResult.shard_tiers of step 6, keyed by the rank whose shard file it is."""
+    out = {}
+    for path, where in shard_tiers.items():
+        step_dir, _, name = path.partition("/shards/")
+        assert step_dir == layout.step_dir(6), path
+        out[int(name.split("-")[1].split(".")[0])] = where
+    return out
+
+
 def agent_pid(shm: Path, node: int) -> int:
     return int(json.loads((shm / f"node{node}" / "agent.json").read_text())["pid"])
 
@@ -96,6 +106,12 @@ def test_a_killed_rank_resumes_from_its_own_nodes_memory(tmp_path, shm, referenc
         assert [r["resumed"] for r in results] == [6] * WORLD
         assert [r["tier"] for r in results] == ["memory"] * WORLD
         assert [r["digest"] for r in results] == [r["digest"] for r in reference]
+        # Per shard file: the restarted rank took its own and rank 0's (the replicated
+        # tensor, written once) from its own node's memory; every rank's own shard came
+        # from its own node's (a shared read: a file's reader is the rank that needs it).
+        came = [by_rank(r["shard_tiers"]) for r in results]
+        assert came[1] == {0: "memory", 1: "memory"}, came
+        assert [c[r] for r, c in enumerate(came)] == ["memory"] * WORLD, came
     # The catalog records which tiers hold each step: step 6 is held in memory.
     with sqlite3.connect(job / ".ckptd" / "catalog.sqlite") as db:
         rows = dict(db.execute("SELECT step, status FROM tiers WHERE tier='memory'").fetchall())
@@ -113,6 +129,13 @@ def test_a_lost_node_resumes_from_the_peers_copy_bit_identical(tmp_path, shm, re
         assert [r["resumed"] for r in results] == [6] * WORLD
         assert [r["tier"] for r in results] == ["memory", "memory", "peer", "peer"]
         assert [r["digest"] for r in results] == [r["digest"] for r in reference]
+        # The replaced node's ranks took every shard file from node 0's memory.
+        assert [by_rank(r["shard_tiers"]) for r in results] == [
+            {0: "memory"},
+            {0: "memory", 1: "memory"},
+            {0: "peer:node0", 2: "peer:node0"},
+            {0: "peer:node0", 3: "peer:node0"},
+        ]
 
 
 @pytest.mark.slow
@@ -138,6 +161,7 @@ def test_a_flipped_bit_in_the_peers_copy_falls_back_to_storage(tmp_path, shm, re
         assert [r["resumed"] for r in results] == [5] * WORLD
         assert [r["fell_back_from"] for r in results] == [6] * WORLD
         assert [r["tier"] for r in results] == ["local"] * WORLD
+        assert [set(r["shard_tiers"].values()) for r in results] == [{"local"}] * WORLD
         assert [r["digest"] for r in results] == [r["digest"] for r in reference]
         log = "".join((tmp_path / "out2" / f"rank{r}.log").read_text() for r in (2, 3))
         assert "FAILED VERIFICATION" in log
@@ -154,6 +178,7 @@ def test_both_nodes_lost_resume_from_storage(tmp_path, shm, reference, tally):
         results = run_job(job, tmp_path / "out2", spec_for(shm))
         assert [r["resumed"] for r in results] == [5] * WORLD
         assert [r["tier"] for r in results] == ["local"] * WORLD
+        assert [set(r["shard_tiers"].values()) for r in results] == [{"local"}] * WORLD
         assert [r["digest"] for r in results] == [r["digest"] for r in reference]
 
 
@@ -215,6 +240,14 @@ def test_a_ring_of_three_nodes_loses_one_and_resumes_bit_identical(tmp_path, shm
         results = run_job(job, tmp_path / "out2", spec, world=3)
         assert [r["resumed"] for r in results] == [6] * 3
         assert [r["tier"] for r in results] == ["memory", "peer", "memory"]
+        # Rank 2's copy is its node's memory, but rank 0's shard (the replicated tensor) is
+        # held on nodes 0 and 1 only: it came from node 0; the replaced node 1 took its own
+        # shard from node 2 (its ring successor, which holds it) and rank 0's from node 0.
+        assert [by_rank(r["shard_tiers"]) for r in results] == [
+            {0: "memory"},
+            {0: "peer:node0", 1: "peer:node2"},
+            {0: "peer:node0", 2: "memory"},
+        ]
         assert [r["digest"] for r in results] == [r["digest"] for r in reference]
     with sqlite3.connect(job / ".ckptd" / "catalog.sqlite") as db:
         rows = dict(db.execute("SELECT step, status FROM tiers WHERE tier='memory'").fetchall())

@@ -185,23 +185,50 @@ class HeldStorage(Storage):
     union of theirs). A damaged copy fails verification like any stored byte; its
     QUARANTINED.json goes to the first member holding the step, which marks the step in
     this tier (any member's marker does).
+
+    `nodes` names each member's node and `home` this rank's: `origin(path)` is the node a
+    file was read from (the member that served it last), which the load policy reports
+    per shard file (LoadResult.shard_tiers, ckpt._provenance).
     """
 
-    def __init__(self, members: list[Storage], *, listed: int | None = None, url: str = ""):
-        if not members:
-            raise ValueError("HeldStorage needs at least one member")
-        self.members = members
+    def __init__(
+        self,
+        members: list[Storage],
+        *,
+        nodes: list[int],
+        home: int,
+        listed: int | None = None,
+        url: str = "",
+    ):
+        if not members or len(nodes) != len(members):
+            raise ValueError("HeldStorage needs at least one member, and one node for each")
+        self.members, self.nodes, self.home = members, nodes, home
         self.listed = members[: listed if listed is not None else len(members)]
         self.url = url or "+".join(m.url for m in members)
+        self._served: dict[str, int] = {}  # path -> the member that served it last
 
     def _holder(self, path: str) -> Storage:
-        for m in self.members:
+        for i, m in enumerate(self.members):
             try:
                 if m.exists(path):
+                    self._served[path] = i
                     return m
             except (CkptError, OSError):
                 continue  # that node is gone or refuses: the next holder
         return self.members[0]  # nobody holds it: the nearest member says so, its own way
+
+    def origin(self, path: str) -> int:
+        """The node `path` was read from (else the node that would serve it now)."""
+        i = self._served.get(path)
+        if i is None:
+            self._holder(path)
+            i = self._served.get(path, 0)
+        return self.nodes[i]
+
+    def label(self, node: int) -> str:
+        """How a load names a file read from `node`'s memory: "memory" for this rank's
+        node, "peer:node<N>" for another's."""
+        return "memory" if node == self.home else f"peer:node{node}"
 
     def listdir(self, path: str) -> list[str]:
         names: set[str] = set()

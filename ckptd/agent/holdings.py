@@ -3,10 +3,12 @@
 The root is a job directory of its own (format v2: step-N/shards/..., MANIFEST.json), so
 what the agent holds is read by the same code as storage (ckptd.format.checkpoint). A
 shard arrives either written in place by a rank of this node (`prepare`, then `seal`) or
-sent by another node's agent (`receive`); either way every block is hashed and checked
-against the shard's index, and the index against the digest the rank reported, before the
-shard counts as held. A step is committed here when the memory commit's manifest is
-written (`commit`), which the agent does only when it holds every shard the manifest names.
+sent by another node's agent (`receive`). Either way the index is checked against the
+digest the rank reported, and the shard's size against the index, before the shard counts
+as held; a shard that arrived over TCP also has every block hashed against the index (one
+a rank wrote here is hashed by the peer it is sent to and by every restore: seal says
+why). A step is committed here when the memory commit's manifest is written (`commit`),
+which the agent does only when it holds every shard the manifest names.
 
 The budget (`max_steps`, `max_bytes`) is enforced before a shard is written: the oldest
 steps are evicted, never the newest committed one nor the step being written, and a shard
@@ -178,11 +180,17 @@ class Holdings:
             self._reserved.pop(key, None)
 
     def seal(self, header: dict[str, Any]) -> tuple[ShardInfo, str]:
-        """Check a shard a rank wrote in place: its index's digest, every block; returns
-        the shard and the index digest computed here."""
+        """Check a shard a rank of this node wrote in place: its index's digest and
+        entries, the shard's size; returns the shard and the index digest computed here.
+
+        Its blocks are not hashed again here: the rank hashed them as it staged them (the
+        index holds those hashes), the peer agent hashes every block of this very file on
+        arrival (a block the rank wrote wrong fails there, and the step is not committed),
+        and every restore hashes every block before it reaches a tensor. A third pass
+        over the same memory, on the node the training runs on, would only cost cores."""
         step, shard = self._shard_of(header)
         try:
-            digest = self._verify(step, shard)
+            digest = self._verify(step, shard, blocks=False)
         except BaseException:
             self._remove(step, shard)
             raise
@@ -287,9 +295,10 @@ class Holdings:
             raise InvalidRequest(f"step {step} rank {shard.rank}: not a shard ({shard.path})")
         return step, shard
 
-    def _verify(self, step: int, shard: ShardInfo) -> str:
-        """The index is the one the rank reported (its digest), and every block of the
-        shard hashes to what the index says: the hashes computed at save travel with it."""
+    def _verify(self, step: int, shard: ShardInfo, *, blocks: bool = True) -> str:
+        """The index is the one the rank reported (its digest), the shard its size, and
+        (blocks) every block of the shard hashes to what the index says: the hashes
+        computed at save travel with it."""
         sdir = layout.step_dir(step)
         where = f"memory agent node {self.node} step {step} rank {shard.rank}"
         data = self.storage.read_bytes(f"{sdir}/{shard.index}", limit=MAX_INDEX_BYTES)
@@ -313,6 +322,8 @@ class Holdings:
             None, manifest=stub, shard=shard, max_entries=MAX_ENTRIES, what=where, doc=doc
         )
         ckfmt.check_shard_size(self.storage, stub, shard)
+        if not blocks:
+            return digest
         problems = verify_entries(
             self.storage, f"{sdir}/{shard.path}", index.entries, stub.block_size
         )

@@ -40,6 +40,7 @@ from typing import Any
 
 from ckptd.coordinator import planning
 from ckptd.coordinator.catalog import Catalog
+from ckptd.coordinator.session import manifest_of
 from ckptd.coordinator.types import (
     ABORTED,
     COMMITTED,
@@ -77,6 +78,10 @@ class MemoryReport:
     metadata: dict[str, Any]
     parent: int | None
     url: str  # the memory tier's place, for the catalog
+
+    def shard_info(self, rank: int) -> ShardInfo:
+        """The manifest's entry (manifest_of's ShardSource; decide checked the rank)."""
+        return self.shard
 
     @classmethod
     def parse(cls, doc: Any, where: str) -> MemoryReport:
@@ -144,6 +149,11 @@ class MemorySave:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
+    @property
+    def parent(self) -> int | None:
+        """The step it descends from, as rank 0 reported it (manifest_of's SaveIdentity)."""
+        return self.reports[0].parent
+
     def answer(self) -> tuple[StatusResult, bytes]:
         return StatusResult(self.status, self.reason, self.digest), self.manifest
 
@@ -197,18 +207,8 @@ def decide(s: MemorySave) -> tuple[Manifest | None, str, list[int]]:
         state = planning.merge_states({r: rep.state for r, rep in s.reports.items()})
     except (CkptError, ValueError, TypeError, RecursionError) as e:
         return None, f"the ranks' state trees cannot be combined: {e}", []
-    m = Manifest(
-        job=s.job,
-        step=s.step,
-        generation=s.generation,
-        world_size=s.world_size,
-        block_size=block,
-        alignment=align,
-        shards=[rep.shard for _, rep in sorted(s.reports.items())],
-        state=state,
-        metadata=s.reports[0].metadata,
-        parent=s.reports[0].parent,
-    )
+    # The one manifest builder (a persistent step's too); rank 0's metadata and parent.
+    m = manifest_of(s, block, s.reports, state, s.reports[0].metadata, alignment=align)
     held = sorted({n for rep in s.reports.values() for n in rep.held})
     return m, "", held
 

@@ -21,7 +21,7 @@ from ckptd.coordinator.types import ABORTED, OPEN, ShardReport, StatusResult
 from ckptd.errors import CkptError, InvalidRequest, SaveAborted
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout, values
-from ckptd.format.manifest import Manifest, load_json, parse_index
+from ckptd.format.manifest import Manifest, ShardInfo, load_json, parse_index
 from ckptd.storage import Storage
 from ckptd.storage.base import OpenDirs
 
@@ -265,21 +265,30 @@ class SaveIdentity(Protocol):
     def parent(self) -> int | None: ...
 
 
+class ShardSource(Protocol):
+    """A rank's report of its shard: a ShardReport, or a memory save's (memory.py)."""
+
+    def shard_info(self, rank: int) -> ShardInfo: ...
+
+
 def manifest_of(
     save: SaveIdentity,
     block_size: int,
-    reports: Mapping[int, ShardReport],
+    reports: Mapping[int, ShardSource],
     state: Any,
     metadata: dict[str, Any] | None = None,
+    *,
+    alignment: int = ALIGNMENT,
 ) -> Manifest:
-    """The step's manifest: its shards are the ranks' reports, in rank order."""
+    """The step's manifest: its shards are the ranks' reports, in rank order (a memory
+    step's too, with the alignment its ranks wrote at: ckptd.coordinator.memory)."""
     return Manifest(
         job=save.job,
         step=save.step,
         generation=save.generation,
         world_size=save.world_size,
         block_size=block_size,
-        alignment=ALIGNMENT,
+        alignment=alignment,
         shards=[rep.shard_info(r) for r, rep in sorted(reports.items())],
         state=state,
         metadata=metadata or {},

@@ -9,7 +9,8 @@ bit-identical to one that never stopped.
 spec: steps (train from the resumed step + 1 up to it), memory_every, every (persistent),
 crash_at (after the step's saves are placed, every rank leaves: the victim by SIGKILL, the
 rest as torchrun would tear them down), victim, max_steps, max_bytes, mib (state size per
-rank), per_node, replicas. Writes rank<r>.json: resumed step, the tier it loaded from, the final state's
+rank), per_node, replicas. Writes rank<r>.json: resumed step, the tier it loaded from and each shard file's
+(shard_tiers), the final state's
 digest, memory saves' outcomes.
 """
 
@@ -96,6 +97,7 @@ def _body(rank: int, world: int, job: str, spec: dict[str, Any]) -> dict[str, An
         res = cp.last_load
         out.update(resumed=start, tier=res.tier if res is not None else None)
         out["fell_back_from"] = res.fell_back_from if res is not None else None
+        out["shard_tiers"] = res.shard_tiers if res is not None else {}
         for step in range(start + 1, spec["steps"] + 1):
             train_step(state, step)
             p = cp.maybe_save(state, step, every=spec.get("every", 5))

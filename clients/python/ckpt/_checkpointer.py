@@ -175,7 +175,7 @@ class Checkpointer:
         self._memory = None if memory is None else MemorySaver(
             memory, self.path, self.storage, self._store, token, (self.rank, self.world_size),
             (self.generation, self.attempt), allow_divergent=allow_divergent_replicas,
-            client=self.client,
+            client=self.client, image=self._image, persisting=self._persisting,
         )  # fmt: skip
         self._last_step: int | None = None  # the newest step saved or resumed here
         self.last_load: LoadResult | None = None
@@ -265,9 +265,11 @@ class Checkpointer:
         try:
             node, leaves = flatten(state, rank=self.rank, keep_device=True)
             t1 = time.perf_counter()
-            job = SaveJob(
-                self.storage, ref, node, meta, options or self.options, leaves, self._image
-            )
+            # A memory save still writing out of the shared staging image: this save
+            # stages into one of its own (ckpt._memory; they never wait for each other).
+            shared = self._memory is None or not self._memory.holds_shared
+            image = self._image if shared else HostImage()
+            job = SaveJob(self.storage, ref, node, meta, options or self.options, leaves, image)
         except BaseException as e:
             # The other ranks must not wait for this one at the barrier.
             RankSave(self._save_client, ref, timeout_s=self.timeout_s).abort(
@@ -575,6 +577,11 @@ class Checkpointer:
         if self._memory is not None and step % self._memory.tier.every == 0:
             return self.save_memory(state, step, metadata=metadata)
         return None
+
+    def _persisting(self) -> bool:
+        """A persistent save is still being written out of the staging image."""
+        p = self._inflight
+        return p is not None and not p.done()
 
     def save_memory(
         self, state: Any, step: int, *, metadata: dict[str, Any] | None = None

@@ -46,11 +46,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ckpt import _provenance
 from ckpt import _shared_read as _shared
 from ckpt._agree import agree_max, agree_min
 from ckpt._restore import LoadResult, PreparedStep, Reads, keys_patterns, matching, prepare_step
@@ -355,7 +357,10 @@ def _try_step(
         if not explicit and name not in held.get(at, []):
             continue
         try:
-            return dataclasses.replace(prepare(st, at).read(reader.alone()), tier=name), failures
+            prepared = prepare(st, at)
+            res = prepared.read(reader.alone())
+            came = _provenance.alone(name, st, _provenance.files_of(prepared))
+            return dataclasses.replace(res, tier=name, shard_tiers=came), failures
         except BaseException as e:  # noqa: BLE001 - the caller raises it once the ranks agree
             if _failed(failures, tiers, name, st, at, e, quarantine, on_quarantine, rank):
                 return None, failures
@@ -409,8 +414,13 @@ def _try_step_shared(
         together = _shared.all_ready(peers, said)
         if prepared is not None:
             try:
-                res = prepared.read(reader.together(said) if together else reader.alone())
-                res = dataclasses.replace(res, tier=name)
+                came: dict[str, str] = {}  # a shared read fills it: where each file came from
+                res = prepared.read(
+                    reader.together(said, came, name) if together else reader.alone()
+                )
+                if not together:
+                    came = _provenance.alone(name, st, _provenance.files_of(prepared))
+                res = dataclasses.replace(res, tier=name, shard_tiers=came)
                 done = True
             except BaseException as e:  # noqa: BLE001 - raised by the caller once agreed
                 done = _failed(failures, tiers, name, st, at, e, quarantine, on_quarantine, rank)
@@ -475,9 +485,11 @@ class _Reader:
     def alone(self) -> Reads:
         return functools.partial(read_planned, threads=self.threads)
 
-    def together(self, said: Sequence[_shared.Announce]) -> Reads:
+    def together(self, said: Sequence[_shared.Announce], came: dict[str, str], tier: str) -> Reads:
         assert self.peers is not None
-        return functools.partial(_read_together, self.peers, said, threads=self.threads)
+        return functools.partial(
+            _read_together, self.peers, said, threads=self.threads, came=came, tier=tier
+        )
 
 
 def _read_together(
@@ -487,8 +499,14 @@ def _read_together(
     plan: BoxPlan,
     *,
     threads: int | None,
+    came: dict[str, str],
+    tier: str,
 ) -> int:
     stats = _shared.read_shared(ck, plan, peers, said, threads=threads)
+    # Where each file's bytes came from: every reader says where it read what it read.
+    mine = {f: _provenance.place(tier, ck.storage, f) for f in stats.read_paths}
+    places = [json.loads(b) for b in peers.all_gather_bytes(json.dumps(mine).encode())]
+    came.update(_provenance.together(ck.storage, stats.readers, places))
     log.debug(
         "step %d: read %d bytes for the job, received %d, sent %d",
         ck.step,

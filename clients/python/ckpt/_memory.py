@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -214,9 +215,13 @@ class MemorySaver:
         *,
         client: CoordinatorClient,
         allow_divergent: bool = False,
+        image: HostImage | None = None,
+        persisting: Callable[[], bool] | None = None,
     ):
         """path, storage: the job's; store: the process group's (None for one rank);
-        client: the coordinator's (it commits memory steps: ckptd.coordinator.memory)."""
+        client: the coordinator's (it commits memory steps: ckptd.coordinator.memory);
+        image: the Checkpointer's staging image, which a memory save stages into unless
+        `persisting()` (a persistent save is being written from it)."""
         rank, world_size = rank_world
         self.tier, self.path, self.rank, self.world_size = tier, path, rank, world_size
         self.generation, self.attempt = generation_attempt
@@ -241,7 +246,14 @@ class MemorySaver:
         if store is not None:
             store.set(f"{self._key}/agent/{self.node}", self.agent.address)
         self._peers: dict[int, AgentClient] = {}
-        self._image = HostImage()
+        # Staging: the Checkpointer's image when no persistent save is being written out
+        # of it, else a spare of this saver's, unmapped once the save is placed. So a rank
+        # holds one image of its state, two only while the two kinds of save overlap
+        # (they never wait for each other); `holds_shared` tells the persistent save.
+        self._shared, self._persisting = image, persisting
+        self._spare = HostImage()
+        self._staged_in: HostImage | None = None
+        self.holds_shared = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-memory")
         self._inflight: PendingSave | None = None
         self._solo: dict[str, dict[str, Any]] = {}  # one rank: what it would post
@@ -274,18 +286,28 @@ class MemorySaver:
         the other nodes' ("peer": the steps any of them holds, read from them alone, so a
         bad local copy falls through to theirs). Peers go in ring order from this node's
         successor, which holds this node's shards."""
-        others: list[Storage] = []
+        others: list[AgentStorage] = []
         for k in range(1, self.nodes):
             node = (self.node + k) % self.nodes
             try:
                 others.append(AgentStorage(self.agent_of(node), node=node))
             except (CkptError, OSError, RuntimeError) as e:
                 log.warning("memory tier: node %d's agent is unknown (%s); skipping it", node, e)
+        away = [o.node for o in others]
         out: list[tuple[str, Storage]] = [
-            ("memory", HeldStorage([self.storage, *others], listed=1, url=self.storage.url))
+            (
+                "memory",
+                HeldStorage(
+                    [self.storage, *others],
+                    nodes=[self.node, *away],
+                    home=self.node,
+                    listed=1,
+                    url=self.storage.url,
+                ),
+            )
         ]
         if others:
-            out.append(("peer", HeldStorage(others)))
+            out.append(("peer", HeldStorage(list(others), nodes=away, home=self.node)))
         return out
 
     # -- save ----------------------------------------------------------------------------
@@ -314,11 +336,19 @@ class MemorySaver:
             self._post(step, "plan", {"skip": True})
             return PendingSave(step, skipped=True)
         t0 = time.perf_counter()
-        node, leaves = flatten(state, rank=self.rank, keep_device=True)
-        ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
-        job = SaveJob(
-            self.storage, ref, node, metadata, SaveOptions(verify="size"), leaves, self._image
-        )
+        busy = self._shared is None or (self._persisting is not None and self._persisting())
+        image = self._spare if busy else self._shared
+        assert image is not None
+        self._staged_in, self.holds_shared = image, not busy
+        try:
+            node, leaves = flatten(state, rank=self.rank, keep_device=True)
+            ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
+            job = SaveJob(
+                self.storage, ref, node, metadata, SaveOptions(verify="size"), leaves, image
+            )
+        except BaseException:
+            self._free_image()
+            raise
         del leaves
         pending = PendingSave(step)
         pending.timings.blocking_s = pending.timings.staging_s = time.perf_counter() - t0
@@ -334,6 +364,7 @@ class MemorySaver:
         try:
             self._place_or_raise(job, parent, after)
         except BaseException as e:  # noqa: BLE001 - reported, never raised into training
+            self._free_image()
             pending.timings.persist_s = time.perf_counter() - t0
             log.error(
                 "job %s step %d rank %d: MEMORY SAVE NOT PLACED (%s: %s); training goes on, "
@@ -349,6 +380,7 @@ class MemorySaver:
             pending.take_unseen_error()  # reported here: the training loop is not raised at
             return
         pending.timings.persist_s = time.perf_counter() - t0
+        self._free_image()
         pending.settle(
             SaveResult(
                 step=job.step,
@@ -421,6 +453,7 @@ class MemorySaver:
         except BaseException:
             self.agent.call("release", "memory agent", step=step, files=names)
             raise
+        self._free_image()  # written out: a persistent save may stage into it now
         peers = [self.agent_of(n).address for n in self.ring()]
         reply, _ = self.agent.call(
             "seal",
@@ -489,6 +522,14 @@ class MemorySaver:
                 except (RuntimeError, AttributeError):
                     return
 
+    def _free_image(self) -> None:
+        """The staged bytes are written out (or the save failed): hand the shared image
+        back, or unmap the spare (freed once the save's last view of it goes)."""
+        image, self._staged_in = self._staged_in, None
+        self.holds_shared = False
+        if image is not None and image is not self._shared:
+            image.release()
+
     def wait(self) -> None:
         p = self._inflight
         if p is not None:
@@ -497,7 +538,7 @@ class MemorySaver:
     def close(self) -> None:
         self.wait()
         self._worker.shutdown(wait=True)
-        self._image.release()
+        self._spare.release()
         self.agent.close()
         for c in self._peers.values():
             c.close()

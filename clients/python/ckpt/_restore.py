@@ -69,9 +69,14 @@ class LoadResult:
     quarantined: list[int] = dataclasses.field(default_factory=list)
     # require_finite: the steps passed over because their stats count NaN or Inf values.
     unhealthy: list[int] = dataclasses.field(default_factory=list)
-    # The tier every shard this rank read came from (ckpt._load: "memory" this node's,
-    # "peer" another node's, "local" the job's directory, "mirror"); "" outside a tier.
+    # The tier whose copy of the step loaded (ckpt._load: "memory" this node's, "peer"
+    # another node's, "local" the job's directory, "mirror"); "" outside a tier.
     tier: str = ""
+    # Per shard file this rank took bytes from (its path in the job's layout): where they
+    # came from, "local" / "mirror" or, from a memory tier, "memory" (this node's) or
+    # "peer:node<N>", "+"-joined when a shared read got them from several (ckpt._provenance);
+    # empty outside a tier and for an integration's own loader.
+    shard_tiers: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def gbps(self) -> float:

@@ -266,6 +266,10 @@ class SharedReadStats:
     read_bytes: int = 0  # read from storage by this rank (whole blocks, verified)
     received_bytes: int = 0  # got from other ranks (verified again when verify_received)
     sent_bytes: int = 0
+    # Per shard file this rank took bytes from, the ranks that read them; the files this
+    # rank read (for anyone). Where each came from: LoadResult.shard_tiers.
+    readers: dict[str, set[int]] = dataclasses.field(default_factory=dict)
+    read_paths: set[str] = dataclasses.field(default_factory=set)
 
 
 def read_shared(
@@ -309,8 +313,11 @@ def read_shared(
                 _raise_agreed(peers, error, ck)
             _transfer(win, bufs, peers, stats)
             for p in win:
+                if p.reader == peers.rank:
+                    stats.read_paths.add(ck.files[p.shard])
                 if peers.rank not in p.needers:
                     continue
+                stats.readers.setdefault(ck.files[p.shard], set()).add(p.reader)
                 data = bufs[id(p)]
                 if p.reader != peers.rank and k.verify_received and bad_transfer is None:
                     bad_transfer = _check_received(ck, p, data, block)
