@@ -11,12 +11,11 @@ with errors that name the node and the rank.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import time
 from pathlib import Path
 
 import pytest
-from coordinator_fixtures import ServerThread, free_port, read_catalog
+from coordinator_fixtures import ServerThread, read_catalog, spawn_ranks
 from ranks import node_worker
 
 from ckptd.coordinator.nodes import MAX_NODE_RANKS
@@ -141,32 +140,13 @@ def run_nodes(tmp_path: Path, crash: str = "", timeout: float = 120) -> list[dic
     out = tmp_path / "out"
     out.mkdir()
     job = tmp_path / "job"
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=node_worker.entry,
-            args=(r, world, per_node, port, str(job), str(out), crash),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [i for i, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(10)
-    logs = "\n".join(
-        f"--- rank {r}\n{(out / f'rank{r}.log').read_text(errors='replace')}"
-        for r in range(world)
-        if (out / f"rank{r}.log").exists()
+    _, logs = spawn_ranks(
+        node_worker.entry,
+        world,
+        lambda r, port: (r, world, per_node, port, str(job), str(out), crash),
+        out,
+        timeout=timeout,
     )
-    assert not hung, f"ranks {hung} hung:\n{logs}"
     results = []
     for r in range(world):
         f = out / f"rank{r}.json"
