@@ -12,13 +12,11 @@ Run as a multiprocessing (spawn) target: `entry(rank, world, port, job, out_dir)
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import os
-import sys
-import traceback
 from typing import Any
+
+from ranks.gloo_rank import run_rank
 
 ROWS, COLS = 8, 6
 
@@ -46,15 +44,11 @@ class _Messages(logging.Handler):
 
 def _run(rank: int, world: int, job: str) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import ckpt
 
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
     mesh = init_device_mesh("cpu", (world,))
 
     def state(step: int) -> dict[str, Any]:
@@ -84,32 +78,16 @@ def _run(rank: int, world: int, job: str) -> dict[str, Any]:
         res = cp.load(rep, keys="rep", require_finite=True)
         out["rep_step"] = res.step
         out["rep_messages"] = list(messages.lines)
-    dist.destroy_process_group()
     return out
 
 
 def entry(rank: int, world: int, port: int, job: str, out_dir: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    log = os.open(
-        os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
+    run_rank(
+        rank,
+        world,
+        port,
+        log=os.path.join(out_dir, f"rank{rank}.log"),
+        result=os.path.join(out_dir, f"rank{rank}.json"),
+        body=lambda: _run(rank, world, job),
+        base={"rank": rank, "error": None},
     )
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    result: dict[str, Any] = {"rank": rank, "error": None}
-    try:
-        result.update(_run(rank, world, job))
-    except BaseException:  # noqa: BLE001 - reported to the test
-        result["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
