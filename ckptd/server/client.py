@@ -48,6 +48,15 @@ from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
 T = TypeVar("T")
 PLAN_PART_CHUNKS = 10_000  # ~1-1.5 MiB per BeginSave part, well under the 4 MiB default
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+REPORT_DEADLINE_S = 120.0  # a report's checks are the coordinator's own I/O, never a wait
+AWAIT_COMMIT_S = 600.0  # an AwaitCommit that names no timeout waits this long
+
+
+def barrier_deadline_s(reqs: Sequence[pb.BeginSaveRequest]) -> float | None:
+    """A node's BeginSaveNode deadline: its ranks' barrier timeout and 30 s for the answer
+    (None: the call's default), by unary call or on the node session."""
+    wait = max((r.timeout_ms for r in reqs), default=0) / 1000
+    return wait + 30 if wait else None
 
 
 def parse_addresses(address: str) -> list[str]:
@@ -284,12 +293,11 @@ class CoordinatorClient:
         self, node: str, reqs: Sequence[pb.BeginSaveRequest]
     ) -> list[pb.BeginSaveResponse]:
         """The node's last BeginSave parts in one call; it waits at the barrier."""
-        wait = max((r.timeout_ms for r in reqs), default=0) / 1000
         r = self._call(
             what_node(node, [q.ref for q in reqs]),
             self._stub.BeginSaveNode,
             pb.NodeBeginSaveRequest(node=node, ranks=reqs),
-            timeout_s=wait + 30 if wait else None,
+            timeout_s=barrier_deadline_s(reqs),
         )
         self.note_lease(r.ranks)
         return list(r.ranks)
@@ -306,11 +314,13 @@ class CoordinatorClient:
     ) -> list[pb.SaveStatus]:
         what = what_node(node, [q.ref for q in reqs])
         req = pb.NodeReportRequest(node=node, ranks=reqs)
-        return list(self._call(what, self._stub.ReportShardsNode, req, timeout_s=120).ranks)
+        return list(
+            self._call(what, self._stub.ReportShardsNode, req, timeout_s=REPORT_DEADLINE_S).ranks
+        )
 
     def await_commit_pb(self, req: pb.AwaitCommitRequest) -> pb.SaveStatus:
         ref = cv.ref_from_pb(req.ref)
-        return cv.status_to_pb(self.await_commit(ref, req.timeout_ms / 1000 or 600.0))
+        return cv.status_to_pb(self.await_commit(ref, req.timeout_ms / 1000 or AWAIT_COMMIT_S))
 
     def abort_save_pb(self, req: pb.AbortSaveRequest) -> pb.SaveStatus:
         return self._call(what_pb(req.ref), self._stub.AbortSave, req, timeout_s=10)
@@ -355,7 +365,9 @@ class CoordinatorClient:
 
     def report_shard(self, ref: SaveRef, report: ShardReport) -> StatusResult:
         req = cv.report_to_pb(cv.ref_to_pb(ref), report)
-        return cv.status_from_pb(self._call(_what(ref), self._stub.ReportShard, req, timeout_s=120))
+        return cv.status_from_pb(
+            self._call(_what(ref), self._stub.ReportShard, req, timeout_s=REPORT_DEADLINE_S)
+        )
 
     def await_commit(self, ref: SaveRef, timeout_s: float) -> StatusResult:
         """AwaitCommit, in slices of about half the lease: each slice's deadline is short, so

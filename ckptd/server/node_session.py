@@ -31,7 +31,14 @@ import grpc
 
 from ckptd.errors import InvalidRequest
 from ckptd.server import errors
-from ckptd.server.client import named_once, what_node, what_pb
+from ckptd.server.client import (
+    AWAIT_COMMIT_S,
+    REPORT_DEADLINE_S,
+    barrier_deadline_s,
+    named_once,
+    what_node,
+    what_pb,
+)
 from ckptd.server.guard import Undecodable
 from ckptd.v1 import coordinator_pb2 as pb
 
@@ -186,10 +193,9 @@ class SessionUpstream:
     async def begin_save_node(
         self, node: str, reqs: Sequence[pb.BeginSaveRequest]
     ) -> Sequence[pb.BeginSaveResponse]:
-        wait = max((r.timeout_ms for r in reqs), default=0) / 1000
         what = what_node(node, [q.ref for q in reqs])
         req = pb.NodeBeginSaveRequest(node=node, ranks=reqs)
-        got = await self._ask("begin_save", req, (wait + 30) if wait else None, what)
+        got = await self._ask("begin_save", req, barrier_deadline_s(reqs), what)
         if got is None:
             self.fell_back += 1
             return await self.fallback.begin_save_node(node, reqs)
@@ -213,14 +219,15 @@ class SessionUpstream:
     ) -> Sequence[pb.SaveStatus]:
         req = pb.NodeReportRequest(node=node, ranks=reqs)
         what = what_node(node, [q.ref for q in reqs])
-        got = await self._ask("report_shards", req, 120.0, what)
+        got = await self._ask("report_shards", req, REPORT_DEADLINE_S, what)
         if got is None:
             self.fell_back += 1
             return await self.fallback.report_shards_node(node, reqs)
         return list(got.statuses.ranks)
 
     async def await_commit(self, req: pb.AwaitCommitRequest) -> pb.SaveStatus:
-        wait = (req.timeout_ms / 1000 if req.timeout_ms else 600.0) + 30
+        # One long wait on the stream (the unary client waits in lease-sized slices).
+        wait = (req.timeout_ms / 1000 if req.timeout_ms else AWAIT_COMMIT_S) + 30
         got = await self._ask("await_commit", req, wait, what_pb(req.ref))
         if got is None:
             self.fell_back += 1
