@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import io
 import os
@@ -26,6 +27,15 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ckptd"))
 
 CkptctlRunner = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_what_the_module_left() -> object:
+    """Collects garbage after each test module, so that an event loop, socket or process a
+    module left open warns (an error, by filterwarnings) in that module's last test, not in
+    whichever later test the collector happens to run in, or after the session."""
+    yield
+    gc.collect()
 
 
 def _ckptctl_available() -> bool:

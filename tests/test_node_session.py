@@ -211,7 +211,8 @@ def test_an_older_coordinator_is_served_by_unary(tmp_path: Path) -> None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
 
     loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
     core = new_core(str(tmp_path / "root"), lease_s=30, barrier_timeout_s=20)
 
     async def start() -> tuple[grpc.aio.Server, int]:
@@ -238,7 +239,10 @@ def test_an_older_coordinator_is_served_by_unary(tmp_path: Path) -> None:
         client.close()
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
         asyncio.run_coroutine_threadsafe(core.close(), loop).result(10)
+        core.catalog.close()
         loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()  # a loop left open warns when collected, in whichever test runs then
 
 
 def test_a_coordinator_restart_moves_calls_to_unary_and_the_session_comes_back(
