@@ -42,3 +42,4 @@ def test_the_wheel_carries_py_typed_for_both_packages(tmp_path: Path) -> None:
     assert {"ckptd/py.typed", "ckpt/py.typed"} <= names, sorted(n for n in names if "typed" in n)
     # the packages themselves are there (the marker is not all it carries)
     assert {"ckpt/__init__.py", "ckpt/integrations/dcp.py", "ckptd/cli/ckptctl.py"} <= names
+    assert "ckptd/cli/ctl/cmd_gc.py" in names  # ckptctl's commands, a subpackage

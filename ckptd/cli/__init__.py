@@ -1,1 +1,2 @@
-"""Command-line tools: ckptctl (and, later, ckptd serve)."""
+"""Command-line tools: ckptctl (ckptctl.py, its commands in ctl/), `ckptd serve` and
+`ckptd agent`."""

@@ -32,18 +32,17 @@ from ckpt._load import load_from_tiers
 from ckpt._memory import MemorySaver, MemoryTier
 from ckpt._mirror import MirrorUploader
 from ckpt._pending import PendingSave
+from ckpt._persist import JOB_HEAD, Begun, Unset, begin, commit
 from ckpt._protocol import RankSave
 from ckpt._restore import LoadResult
 from ckpt._results import SaveResult, check_metadata, log_saved
 from ckpt._save_job import SaveJob, SaveOptions
 from ckpt._staging import HostImage, prepare_for
-from ckptd.coordinator.types import BeginResult, SaveRef, ShardReport
+from ckptd.coordinator.types import SaveRef
 from ckptd.errors import CheckpointNotFound, CkptError, CoordinatorUnavailable, SaveFailed
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout
-from ckptd.format.incremental import borrowable
-from ckptd.format.writer import ShardWriteStats
 from ckptd.storage import JobLocation, Storage, open_storage
 
 log = logging.getLogger("ckpt")
@@ -180,9 +179,9 @@ class Checkpointer:
         self._last_step: int | None = None  # the newest step saved or resumed here
         self.last_load: LoadResult | None = None
         # The step the next save descends from (its manifest's parent): the step last saved
-        # or loaded here; _JOB_HEAD before either (the job's live head, looked up once).
-        self._parent: int | None | _Unset = _JOB_HEAD
-        self._parent_before: int | None | _Unset = _JOB_HEAD  # before the save in flight
+        # or loaded here; JOB_HEAD before either (the job's live head, looked up once).
+        self._parent: int | None | Unset = JOB_HEAD
+        self._parent_before: int | None | Unset = JOB_HEAD  # before the save in flight
         self._signals = tuple(preemption_signals) if save_on_preemption else ()
         self.exit_on_preemption = exit_on_preemption
         self._stop_plan = _hooks.StopPlan(
@@ -320,12 +319,13 @@ class Checkpointer:
         raise err
 
     def _persist(
-        self, job: SaveJob, pending: PendingSave, parent: int | None | _Unset, begun: _Begun | None
+        self, job: SaveJob, pending: PendingSave, parent: int | None | Unset, begun: Begun | None
     ) -> None:
         """The background part of a save; records the outcome in `pending`, never raises."""
         t0 = time.perf_counter()
         try:
-            result = self._commit(job, pending, t0, begun or self._begin(job, parent))
+            b = begun or self._begin(job, parent)
+            result = commit(job, pending, t0, b, storage=self.storage)
         except BaseException as e:  # handed to the training loop through the PendingSave
             pending.timings.persist_s = time.perf_counter() - t0
             pending.settle(None, e)
@@ -339,70 +339,17 @@ class Checkpointer:
         if self._mirror is not None:
             self._mirror.submit(job.step)  # committed locally: now the copy to the mirror
 
-    def _begin(self, job: SaveJob, parent: int | None | _Unset) -> _Begun:
-        """Hash, plan with the coordinator (its barrier waits for every rank); over the
-        staging budget, also write the assigned entries past it from the caller's tensors."""
-        if isinstance(parent, _Unset):
-            # Nothing saved or loaded here yet: the state continues the job's live line.
-            parent = ckfmt.latest_step(self.storage)
-        save = RankSave(self._save_client, job.ref, timeout_s=self.timeout_s)
-        ahead = job.may_write_ahead(self.world_size)  # hashed as written, before the plan
-        try:
-            digests = job.write_ahead() if ahead else job.digests()
-        except BaseException as e:
-            save.abort(f"{type(e).__name__}: {e}")
-            raise
-        try:
-            begun = save.begin(
-                job.plan(digests),
-                state=job.node,
-                metadata=job.metadata,
-                allow_divergent=self.allow_divergent,
-                keep_last=job.options.keep_last,
-                parent=parent,
-            )
-        except BaseException:
-            job.abort()  # a file written ahead of a refused plan (begin aborted the save)
-            raise
-        if ahead:
-            with save.leased(begun.lease_s):  # a failure here aborts the save
-                job.keep_ahead(begun.write)
-        if job.options.incremental:
-            # Unchanged entries borrow the bytes of the step this state descends from.
-            job.borrow_from(borrowable(self.storage, parent, self.rank))
-        if job.over_budget:
-            with save.leased(begun.lease_s):
-                job.write_overflow(begun.write, digests)
-        return _Begun(save, digests, begun)
-
-    def _commit(self, job: SaveJob, pending: PendingSave, t0: float, b: _Begun) -> SaveResult:
-        """Write what this rank was assigned, verify, commit."""
-        save, begun = b.save, b.begun
-        stats = ShardWriteStats()
-        with save.leased(begun.lease_s):
-            info = job.write(begun.write, b.digests, stats)
-            t_report = time.perf_counter()
-            status = save.commit(
-                ShardReport.of(
-                    info,
-                    job.options.verify,
-                    staging_s=pending.timings.staging_s,
-                    persist_s=time.perf_counter() - t0,
-                    write_s=stats.write_s,
-                    verify_s=stats.verify_s,
-                )
-            )
-            pending.timings.commit_s = time.perf_counter() - t_report
-        save.require_committed(status)
-        return SaveResult(
-            step=job.step,
-            path=f"{self.storage.url}/{layout.step_dir(job.step)}",
-            bytes=job.written_bytes(begun.write),
-            borrowed_bytes=job.borrowed_bytes,
-            seconds=pending.timings.blocking_s + time.perf_counter() - t0,
-            write_s=stats.write_s,
-            verify_s=stats.verify_s,
-            tensors=len(begun.write),
+    def _begin(self, job: SaveJob, parent: int | None | Unset) -> Begun:
+        """Hash and plan this rank's part of `job` (ckpt._persist.begin)."""
+        return begin(
+            job,
+            parent,
+            storage=self.storage,
+            client=self._save_client,
+            timeout_s=self.timeout_s,
+            allow_divergent=self.allow_divergent,
+            rank=self.rank,
+            world_size=self.world_size,
         )
 
     # -- load --------------------------------------------------------------------------
@@ -594,7 +541,7 @@ class Checkpointer:
             raise ValueError(f"job {self.path!r}: save_memory needs Checkpointer(memory=...)")
         layout.check_step(step)
         parent = self._parent
-        if isinstance(parent, _Unset):
+        if isinstance(parent, Unset):
             parent = ckfmt.latest_step(self.storage)
         prev = self._inflight if self._inflight is not None and not self._inflight.done() else None
         pending = self._memory.save(
@@ -723,22 +670,6 @@ def open_on(path: str) -> Checkpointer | None:
     when there are several (it fences the others), else None."""
     mine = [cp for cp in list(_open) if cp.path == path and not cp.closed]
     return max(mine, key=lambda cp: cp.generation) if mine else None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Begun:
-    """A save the coordinator has planned: this rank's side, its hashes, what it writes."""
-
-    save: RankSave
-    digests: list[list[str]]
-    begun: BeginResult
-
-
-class _Unset:
-    """The parent of a Checkpointer's first save before it is looked up."""
-
-
-_JOB_HEAD = _Unset()
 
 
 @atexit.register
