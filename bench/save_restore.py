@@ -753,8 +753,9 @@ def stall_later(b: Bench) -> float:
 
 
 def add_sweep() -> None:
-    """ckpt save(size) and load under other knob settings (--sweep). early_writeback only
-    acts on buffered writes, so it is varied with direct_io=False only."""
+    """ckpt save(size) and load under other knob settings (--sweep): io_threads for the
+    save, read_threads for the load. early_writeback only acts on buffered writes, so it
+    is varied with direct_io=False only."""
     from ckptd import knobs
 
     saves = [
@@ -763,13 +764,13 @@ def add_sweep() -> None:
     at = [n for _, n, _ in REGISTRY].index("ckptctl verify --level full")
     loads = []
     for d in (True, False):
-        for t in (2, 4):
+        for t in (4, 8):
 
             def load(b: Bench, d: bool = d, t: int = t) -> float:
-                with knobs.override(direct_io=d, io_threads=t):
+                with knobs.override(direct_io=d, read_threads=t):
                     return ckpt_load(b)
 
-            loads.append(("sweep", f"ckpt load [direct_io={d:d} io_threads={t}]", load))
+            loads.append(("sweep", f"ckpt load [direct_io={d:d} read_threads={t}]", load))
     REGISTRY[at:at] = loads  # before verify removes the checkpoint they read
     for d, t, e in saves:
 
