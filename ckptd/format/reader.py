@@ -329,14 +329,7 @@ class _Hashes:
     def cancel(self) -> None:
         with self._lock:
             futures = list(self._futures)
-        for f in futures:
-            f.cancel()
-        for f in futures:  # the running ones still use the caller's memory: wait for them
-            if not f.cancelled():
-                try:
-                    f.result()
-                except BaseException:  # noqa: BLE001, S110 - the read's failure is raised
-                    pass
+        iopool.cancel_all(futures)  # the running ones still use the caller's memory
 
 
 class _Buffers:
