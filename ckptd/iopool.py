@@ -59,20 +59,6 @@ def wait_all(futures: Sequence[Future[T]]) -> list[T]:
     return results
 
 
-def cancel_all(futures: Sequence[Future[T]]) -> None:
-    """Cancel what has not started and wait for what has (it may use memory or a file
-    descriptor the caller frees next); their failures are dropped: the caller raises its
-    own."""
-    for f in futures:
-        f.cancel()
-    for f in futures:
-        if not f.cancelled():
-            try:
-                f.result()
-            except BaseException:  # noqa: BLE001, S110 - the caller's failure is raised
-                pass
-
-
 class Pipeline:
     """Tasks on a shared pool, at most `limit` in flight, so that tasks added while it runs
     (`urgent`) go before the ones still queued instead of after all of them: a save's

@@ -329,7 +329,14 @@ class _Hashes:
     def cancel(self) -> None:
         with self._lock:
             futures = list(self._futures)
-        iopool.cancel_all(futures)  # the running ones still use the caller's memory
+        for f in futures:
+            f.cancel()
+        for f in futures:  # the running ones still use the caller's memory: wait for them
+            if not f.cancelled():
+                try:
+                    f.result()
+                except BaseException:  # noqa: BLE001, S110 - the read's failure is raised
+                    pass
 
 
 class _Buffers:

@@ -6,9 +6,9 @@ alignment, so its size is what the rank wrote. The writer cuts it into fixed win
 writes them from a small thread pool, each window one pwrite: straight from a staging
 image (which holds every entry the rank has, replicas others write included) where a
 window lies in one run of the image, else gathered (O_DIRECT from a bounce buffer, or
-pwritev from the pieces' memory). Hash tasks for the same bytes run beside the writes, on
-the hash pool (ckptd.iopool): blake3 and the I/O calls both release the GIL, so the disk
-and the cores are busy at once, and no I/O slot waits for a hash. Only after the data is durable is the index written,
+pwritev from the pieces' memory). Hash tasks for the same bytes are interleaved
+with the writes in the same pool: blake3 and the I/O calls both release the GIL, so the
+disk and the cores are busy at once. Only after the data is durable is the index written,
 and only after verification does the caller get a ShardInfo it may commit.
 
 verify="full" on a handle that writes O_DIRECT checks the bytes while later windows are
@@ -27,7 +27,6 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 
 import numpy as np
 
@@ -278,32 +277,22 @@ class ShardWriter:
                     early = _EarlyCheck(self, items, offsets, hashes, windows)
                 except _NoEarlyCheck:
                     early = None
-            # The I/O slots only write and read back; the hash tasks run on the hash pool
-            # beside them (a slot that hashed was a write not in flight: ckptd.iopool),
-            # and the last task waits for them, so every read-back they make ready runs.
-            tasks: list[Callable[[], None]] = [
-                functools.partial(self._write_one, w, i, early, progress)
-                for i, w in enumerate(windows)
-            ]
-            hashed: list[Future[None]] = []
-            if groups:
-                tasks.append(functools.partial(_wait_hashed, hashed))
+            tasks: list[Callable[[], None]] = []
+            for i in range(max(len(windows), len(groups))):
+                if i < len(windows):
+                    tasks.append(functools.partial(self._write_one, windows[i], i, early, progress))
+                if i < len(groups):
+                    assert hasher is not None
+                    tasks.append(functools.partial(_hash_then, hasher.run, groups[i], early))
             pipe = iopool.Pipeline(iopool.executor(self.threads), self.threads, tasks)
-            if early is not None:
-                early.pipe = pipe
-            if groups:
-                assert hasher is not None
-                hpool = iopool.executor(knobs.get().hashers, "hash")
-                hashed += [hpool.submit(_hash_then, hasher.run, g, early) for g in groups]
-            try:
+            if early is None:
                 pipe.run()
-            except BaseException:
-                iopool.cancel_all(hashed)  # none may go on reading the items' memory
-                raise
-            finally:
-                if early is not None:
+            else:
+                early.pipe = pipe
+                try:
+                    pipe.run()
+                finally:
                     early.handle.close()
-            if early is not None:
                 early.check_all_read()
                 # Checked only if every byte went O_DIRECT (no fallback to buffered).
                 if getattr(self.handle, "direct", False):
@@ -587,10 +576,6 @@ def _verify_written(
         problems = verify_entries(storage, shard_path, rest, index.block_size, threads=threads)
         if problems:
             raise problems[0]
-
-
-def _wait_hashed(futures: list[Future[None]]) -> None:
-    iopool.wait_all(futures)
 
 
 def _hash_then(
