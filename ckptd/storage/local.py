@@ -90,10 +90,11 @@ class _Bounce(threading.local):
     """
 
     buf: np.ndarray | None = None
+    least = _MIN_BOUNCE
 
     def get(self, n: int) -> np.ndarray:
         if self.buf is None or self.buf.nbytes < n:
-            size = -(-max(n, _MIN_BOUNCE) // ALIGN) * ALIGN
+            size = -(-max(n, self.least) // ALIGN) * ALIGN
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
             mm = mmap.mmap(-1, size, flags=flags)
             if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -106,6 +107,16 @@ class _Bounce(threading.local):
 
 
 _bounce = _Bounce()
+
+
+class _Scratch(_Bounce):
+    """The scratch pages of a scatter read (tails, padding): small, per thread, so a
+    reading thread does not hold a window-sized bounce buffer for a few pages."""
+
+    least = 64 * ALIGN
+
+
+_scratch = _Scratch()
 
 
 def _round_up(n: int) -> int:
@@ -424,7 +435,7 @@ class LocalReadHandle(ReadHandle):
         # alignment padding between spans.
         for at in range(0, len(spans), _SPANS_PER_CALL):
             part = spans[at : at + _SPANS_PER_CALL]
-            if len(part) == 1 or not self._scatter(part):
+            if not self._scatter(part):
                 for offset, out in part:
                     self.read_into(offset, out)
 
@@ -438,7 +449,7 @@ class LocalReadHandle(ReadHandle):
             if nxt != _round_up(off + out.nbytes):
                 return False  # not packed
             pads += nxt != off + out.nbytes
-        scratch = _bounce.get((pads + 1) * ALIGN)
+        scratch = _scratch.get((pads + 1) * ALIGN)
         iov: list[np.ndarray] = []
         tails: list[tuple[np.ndarray, int, np.ndarray]] = []
         k = 0
