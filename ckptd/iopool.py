@@ -5,6 +5,12 @@ life. Creating threads per save meant fresh buffers per save, and a fresh buffer
 O_DIRECT transfer pays for faulting and pinning every page: the benchmark measured cold
 reads at about half the raw speed that way. Tasks submitted here never wait on other tasks
 of the same pool (no nesting), so sharing cannot deadlock.
+
+Hashing of read bytes has pools of its own (`executor(n, "hash")`): a read task hands its
+bytes to a hash task and goes on reading, so the disk and the cores work at once (a
+thread that read, then hashed, left the disk idle while it hashed, and the threads fell
+into step: read together, then hash together). A read task may wait for a buffer that
+only a hash task frees; hash tasks never wait on read tasks, so that cannot deadlock.
 """
 
 from __future__ import annotations
@@ -19,17 +25,17 @@ from typing import TypeVar
 T = TypeVar("T")
 
 _lock = threading.Lock()
-_pools: dict[int, ThreadPoolExecutor] = {}
+_pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
 
 
-def executor(threads: int) -> ThreadPoolExecutor:
-    """The shared pool with `threads` workers (created on first use)."""
+def executor(threads: int, kind: str = "io") -> ThreadPoolExecutor:
+    """The shared pool of `kind` ("io", "hash") with `threads` workers (made on first use)."""
     threads = max(1, int(threads))
     with _lock:
-        pool = _pools.get(threads)
+        pool = _pools.get((kind, threads))
         if pool is None:
-            pool = _pools[threads] = ThreadPoolExecutor(
-                threads, thread_name_prefix=f"ckpt-io{threads}"
+            pool = _pools[(kind, threads)] = ThreadPoolExecutor(
+                threads, thread_name_prefix=f"ckpt-{kind}{threads}"
             )
         return pool
 

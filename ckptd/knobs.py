@@ -61,6 +61,14 @@ class Knobs:
     # in 8 MiB ones here (verify and load, interleaved A/B, 3 reps).
     read_window: int = 32 << 20
     io_threads: int = 4
+    # A load's or verify's reads and their hashing are apart (ckptd.format.reader): these
+    # threads only read (a system call each, next to no CPU), so several reads stay in
+    # flight while the hash threads hold the cores; with 4, reads waited for a core on 2
+    # busy cores and the disk idled (bench/README.md, issue 16 fourth pass).
+    read_threads: int = 8
+    # Threads that hash what a load or verify reads; 0: one per CPU this process may run
+    # on, at most 8 (`hashers`).
+    hash_threads: int = 0
     # O_DIRECT for shard writes and cold reads; falls back to buffered where refused.
     direct_io: bool = True
     # Start write-back of each window right after writing it (Linux sync_file_range),
@@ -103,6 +111,17 @@ class Knobs:
     # stats (a load with require_finite then treats the step's health as unknown).
     health_stats: bool = True
 
+    @property
+    def hashers(self) -> int:
+        """hash_threads, 0 resolved to the CPUs this process may run on (at most 8)."""
+        if self.hash_threads > 0:
+            return self.hash_threads
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 2
+        return max(1, min(8, cpus))
+
 
 def _from_env() -> Knobs:
     d = Knobs()
@@ -112,6 +131,8 @@ def _from_env() -> Knobs:
         io_window=_env_int("CKPT_IO_WINDOW", d.io_window),
         read_window=_env_int("CKPT_READ_WINDOW", d.read_window),
         io_threads=_env_int("CKPT_IO_THREADS", d.io_threads),
+        read_threads=_env_int("CKPT_READ_THREADS", d.read_threads),
+        hash_threads=_env_int("CKPT_HASH_THREADS", d.hash_threads),
         direct_io=_env_bool("CKPT_DIRECT_IO", d.direct_io),
         early_writeback=_env_bool("CKPT_EARLY_WRITEBACK", d.early_writeback),
         preallocate=_env_bool("CKPT_PREALLOCATE", d.preallocate),

@@ -13,10 +13,10 @@ import torch
 
 import ckpt
 from ckptd import knobs
-from ckptd.errors import HashMismatch
+from ckptd.errors import HashMismatch, StorageError
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format.reader import read_entries
-from ckptd.storage import open_storage
+from ckptd.storage import counters, open_storage
 
 
 def _aligned(n: int) -> np.ndarray:
@@ -107,3 +107,82 @@ def test_load_into_empty_makes_large_tensors_page_aligned(job):
     assert torch.equal(out["big"], state["big"]) and torch.equal(out["small"], state["small"])
     out["big"].add_(1)  # writable, an ordinary tensor to the caller
     assert out["big"].untyped_storage().nbytes() == state["big"].nbytes
+
+
+def _many(job: str, n: int = 40) -> tuple[dict[str, torch.Tensor], object, str, list]:
+    """A shard of many small entries, packed: some whole pages, some not."""
+    g = torch.Generator().manual_seed(5)
+    state = {
+        f"t{i:02d}": torch.randn(1024 * (1 + i % 3) + (i % 2) * 7, generator=g) for i in range(n)
+    }
+    ckpt.save(state, job, step=1, verify="size")
+    storage = open_storage(job)
+    ck = ckfmt.open_checkpoint(storage, 1)
+    (shard,) = ck.manifest.shards
+    entries = sorted((ck.chunks[k][0].entry for k in state), key=lambda e: e.offset)
+    return state, storage, ck.shard_path(shard), entries
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_neighbouring_entries_are_read_in_one_scatter_read(job, direct_io):
+    state, _, path, entries = _many(job)
+    with knobs.override(direct_io=direct_io):
+        storage = open_storage(job)
+        outs = [_aligned(e.length) for e in entries]
+        before = counters.snapshot()
+        assert read_entries(storage, path, entries, knobs.get().block_size, into=outs) == []
+        calls = (counters.snapshot() - before).read_calls
+    assert calls == 1  # 40 entries, one preadv (their tails through scratch pages)
+    for e, out in zip(entries, outs, strict=True):
+        assert out.tobytes() == state[e.key].numpy().tobytes(), e.key
+
+
+def test_corrupt_entry_of_a_scatter_read_is_zeroed_and_named(job):
+    state, storage, path, entries = _many(job)
+    bad = entries[7]
+    with open(storage.local_path(path), "r+b") as f:
+        f.seek(bad.offset + 5)
+        b = f.read(1)
+        f.seek(bad.offset + 5)
+        f.write(bytes([b[0] ^ 0xFF]))
+    outs = [_aligned(e.length) for e in entries]
+    with pytest.raises(HashMismatch, match=bad.key):
+        read_entries(storage, path, entries, knobs.get().block_size, into=outs)
+    assert not outs[7].any()  # the corrupt entry's bytes did not stay
+    problems = read_entries(storage, path, entries, knobs.get().block_size, into=outs, collect=True)
+    assert [bad.key in str(p) for p in problems] == [True]
+    for e, out in zip(entries, outs, strict=True):
+        if e is not bad:
+            assert out.tobytes() == state[e.key].numpy().tobytes(), e.key
+
+
+def test_pooled_read_buffers_come_back_after_a_failed_read(job):
+    """Windows read into the shared buffer pool (no destination: a verify) give every
+    buffer back, also when a read fails, so later reads never wait for one."""
+    from ckptd.format import reader
+    from ckptd.storage.base import ReadHandle
+
+    state, storage, path, entries = _many(job)
+    assert reader.verify_entries(storage, path, entries, knobs.get().block_size) == []
+    inner = storage.open_read
+
+    class Failing(ReadHandle):
+        def __init__(self, h: ReadHandle):
+            self.h, self.path, self.size = h, h.path, h.size
+
+        def read(self, offset: int, length: int) -> np.ndarray:
+            return self.h.read(offset, length)
+
+        def can_read_into(self, out: np.ndarray) -> bool:
+            return True
+
+        def read_into(self, offset: int, out: np.ndarray) -> None:
+            raise StorageError(5, "the device refused the read")
+
+        def close(self) -> None:
+            self.h.close()
+
+    storage.open_read = lambda p, cold=False: Failing(inner(p, cold=cold))  # type: ignore[method-assign]
+    problems = reader.verify_entries(storage, path, entries, knobs.get().block_size)
+    assert problems and all("refused" in str(p) for p in problems)
+    assert reader._BUFFERS._out == 0

@@ -70,10 +70,15 @@ def plan_box(
         return []
     out: list[tuple[Chunk, Overlap]] = []
     for c in chunks:
-        box_off, box_size = c.entry.chunk_offsets, c.entry.chunk_sizes
-        if math.prod(box_size) == 0 or intersect(box_off, box_size, offsets, sizes) is None:
-            continue
-        out.append((c, Overlap(box_off, box_size, offsets, sizes, itemsize)))
+        ov = overlap_of(
+            tuple(c.entry.chunk_offsets),
+            tuple(c.entry.chunk_sizes),
+            tuple(offsets),
+            tuple(sizes),
+            itemsize,
+        )
+        if ov is not None:
+            out.append((c, ov))
     # Saved chunks of one key are disjoint (replicas are written once); check it, so that
     # the element count below proves every wanted element has exactly one source.
     for i in range(len(out)):
@@ -91,6 +96,24 @@ def plan_box(
             f"{where}: the saved chunks cover {covered} of the {want} elements wanted"
         )
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def overlap_of(
+    src_offsets: tuple[int, ...],
+    src_sizes: tuple[int, ...],
+    dst_offsets: tuple[int, ...],
+    dst_sizes: tuple[int, ...],
+    itemsize: int,
+) -> Overlap | None:
+    """The Overlap of a saved box with a wanted one (None: no element in common). Kept by
+    geometry: a model repeats a few shapes many times, and an Overlap is never changed."""
+    if (
+        math.prod(src_sizes) == 0
+        or intersect(src_offsets, src_sizes, dst_offsets, dst_sizes) is None
+    ):
+        return None
+    return Overlap(src_offsets, src_sizes, dst_offsets, dst_sizes, itemsize)
 
 
 @dataclasses.dataclass
@@ -141,6 +164,9 @@ def plan_boxes(ck: OpenCheckpoint, boxes: Sequence[BoxRead]) -> BoxPlan:
                 reads.sinks.append(functools.partial(_copy_piece, ov, box.out, piece.start))
                 at = ov.dst_start + piece.start
                 reads.into.append(box.out[at : at + piece.length] if whole else None)
+                if sub is None:
+                    total += piece.length  # every block of it
+                    continue
                 for b in covering_blocks(piece.length, block, sub):
                     total += min(block, piece.length - b * block)
     return BoxPlan(sorted(per_shard.values(), key=lambda r: r.shard), total)

@@ -16,14 +16,27 @@ Where the caller gives an entry's destination (the whole entry, C-contiguous) an
 storage can read straight into it (page-aligned memory under O_DIRECT), the entry is read
 there in windows and each block is hashed in place: no bounce buffer, no copy, and the
 sink is not called. A block whose hash does not match is zeroed before the error is
-raised, so its bytes never remain in the caller's memory.
+raised, so its bytes never remain in the caller's memory (nor do bytes read but never
+hashed because the read failed elsewhere first).
+
+Reading and hashing are a pipeline: the I/O threads only read (in file order, into the
+destination or into a pooled page-aligned buffer) and hand each window to a hash task on
+a pool of its own (knobs `hash_threads`), which checks it, calls the sink and frees the
+buffer. A thread that read and then hashed left the disk idle while it hashed, and the
+threads fell into step (all reading, then all hashing): on 2 cores with a disk faster
+than the hash, a load ran at about 1/(1/read + 1/hash) instead of min(read, hash)
+(bench/README.md, issue 16 fourth pass). Handles that cannot read into a buffer of ours
+(object stores, the memory tier) still read and hash on one thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -32,6 +45,9 @@ from ckptd.errors import CorruptCheckpoint, HashMismatch, StorageError
 from ckptd.format import hashing
 from ckptd.format.manifest import IndexEntry
 from ckptd.storage.base import ReadHandle, Storage
+from ckptd.storage.local import ALIGN, map_populated
+
+_HASH_PIECE = 8 << 20  # bytes of a read straight into its destination hashed per task
 
 # sink(entry position in the list, byte offset inside the entry, verified bytes)
 Sink = Callable[[int, int, np.ndarray], None]
@@ -125,15 +141,22 @@ def read_entries(
     An IndexEntry is read whole; an EntryRead with ranges reads the whole blocks that cover
     its ranges. The sink gets (position in `entries`, byte offset of the data inside the
     entry, verified bytes): one call per block, always a whole block, which may extend past
-    the requested ranges. The bytes may live in a per-thread buffer: consume them in the
-    sink. With collect=False the first mismatch raises HashMismatch; with collect=True all
-    problems are returned (ckptctl verify reports every bad key, not the first).
-    into[i], where given: the destination of all of entry i (entry.length bytes); the
-    entry is read straight into it when the handle can (see the module docstring).
+    the requested ranges. The bytes may live in a buffer reused after the call: consume
+    them in the sink (it may run on a hashing thread). With collect=False the first
+    mismatch raises HashMismatch; with collect=True all problems are returned (ckptctl
+    verify reports every bad key, not the first). into[i], where given: the destination of
+    all of entry i (entry.length bytes); the entry is read straight into it when the
+    handle can (see the module docstring).
+
+    `threads` (default: the knobs' read_threads) read, on the shared I/O pool; the knobs'
+    `hashers` hash, on a pool of their own, so that reads go on while earlier bytes are
+    hashed (ckptd.iopool).
     """
     k = knobs.get()
     plain = [r.entry if isinstance(r, EntryRead) else r for r in entries]
     handle = storage.open_read(path, cold=cold)
+    readers = threads or k.read_threads
+    hashes = _Hashes(iopool.executor(k.hashers, "hash"))
 
     def mismatch(ent: IndexEntry, b: int, start: int, length: int, got: str) -> HashMismatch:
         return _mismatch(storage, path, ent, b, start, length, got)
@@ -141,21 +164,34 @@ def read_entries(
     def failed(ent: IndexEntry, offset: int, length: int, e: StorageError) -> CorruptCheckpoint:
         return _failed(storage, path, ent, offset, length, e)
 
+    def hash_window(w: ReadWindow, data: np.ndarray) -> list[CorruptCheckpoint]:
+        return _check_parts(storage, path, w, data, plain, collect, sink, progress)
+
     def read_window(w: ReadWindow) -> list[CorruptCheckpoint]:
+        """Into a pooled buffer, hashed (and sunk) by a hash task that frees the buffer."""
+        buf = _BUFFERS.take(w.length, min(readers, 4) + k.hashers)
+        try:
+            handle.read_into(w.offset, buf)
+        except StorageError as e:
+            _BUFFERS.give(buf)
+            err = failed(plain[w.parts[0].entry], w.offset, w.length, e)
+            if not collect:
+                raise err from e
+            return [err]
+        except BaseException:
+            _BUFFERS.give(buf)
+            raise
+        hashes.submit(functools.partial(hash_window, w, buf), lambda _: _BUFFERS.give(buf))
+        return []
+
+    def read_inline(w: ReadWindow) -> list[CorruptCheckpoint]:
+        """Read and hash on this thread (a handle that cannot read into a buffer of ours)."""
         return check_window(
             storage, path, handle, w, plain, collect=collect, sink=sink, progress=progress
         )
 
-    def read_direct(i: int, start: int, out: np.ndarray) -> list[CorruptCheckpoint]:
+    def hash_direct(i: int, start: int, out: np.ndarray) -> list[CorruptCheckpoint]:
         ent = plain[i]
-        try:
-            handle.read_into(ent.offset + start, out)
-        except StorageError as e:
-            out.fill(0)
-            err = failed(ent, ent.offset + start, out.nbytes, e)
-            if not collect:
-                raise err from e
-            return [err]
         bad: list[CorruptCheckpoint] = []
         for s in range(0, out.nbytes, block):
             view = out[s : s + block]
@@ -165,11 +201,41 @@ def read_entries(
                 view.fill(0)  # unverified bytes never stay in the caller's memory
                 err = mismatch(ent, b, start + s, view.nbytes, got)
                 if not collect:
+                    out[s:].fill(0)  # nor do the blocks after it, left unchecked
                     raise err
                 bad.append(err)
         if progress is not None:
             progress(out.nbytes)
         return bad
+
+    def read_direct(group: list[tuple[int, int, np.ndarray]]) -> list[CorruptCheckpoint]:
+        """Pieces (entry, offset inside it, destination) lying end to end in the file (each
+        at the page-aligned end of the one before): one scatter read, then hash tasks."""
+        try:
+            handle.read_spans([(plain[i].offset + start, out) for i, start, out in group])
+        except BaseException as e:
+            for _, _, out in group:
+                out.fill(0)
+            if not isinstance(e, StorageError):
+                raise
+            i, start, _ = group[0]
+            n = sum(out.nbytes for _, _, out in group)
+            err = failed(plain[i], plain[i].offset + start, n, e)
+            if not collect:
+                raise err from e
+            return [err]
+        # In pieces of a few blocks, so that both cores hash the last read too.
+        step = max(block, _HASH_PIECE // block * block)
+        for i, start, out in group:
+            for s in range(0, out.nbytes, step):
+                piece = out[s : s + step]
+
+                def unhashed(f: Future[list[CorruptCheckpoint]], piece: np.ndarray = piece) -> None:
+                    if f.cancelled():  # the load failed first: bytes nobody checked go
+                        piece.fill(0)
+
+                hashes.submit(functools.partial(hash_direct, i, start + s, piece), unhashed)
+        return []
 
     problems: list[CorruptCheckpoint] = []
     try:
@@ -186,22 +252,146 @@ def read_entries(
         for w in windows:
             for p in w.parts:
                 p.entry = rest[p.entry]
+        pooled = bool(windows) and handle.can_read_into(_BUFFERS.probe)
+        one = read_window if pooled else read_inline
         tasks: list[tuple[int, Callable[[], list[CorruptCheckpoint]]]] = [
-            (w.offset, functools.partial(read_window, w)) for w in windows
+            (w.offset, functools.partial(one, w)) for w in windows
         ]
-        span = max(block, k.read_window // block * block)  # whole blocks per read
-        for i, out in direct.items():
-            e = plain[i]
-            for s in range(0, e.length, span):
-                part = out[s : min(e.length, s + span)]
-                tasks.append((e.offset + s, functools.partial(read_direct, i, s, part)))
+        for group in _direct_groups(plain, direct, max(block, k.read_window // block * block)):
+            at = plain[group[0][0]].offset + group[0][1]
+            tasks.append((at, functools.partial(read_direct, group)))
         tasks.sort(key=lambda t: t[0])  # in file order: the disk sees one stream
-        pool = iopool.executor(threads or k.io_threads)
-        for found in iopool.wait_all([pool.submit(fn) for _, fn in tasks]):
-            problems.extend(found)
+        pool = iopool.executor(readers)
+        try:
+            for found in iopool.wait_all([pool.submit(fn) for _, fn in tasks]):
+                problems.extend(found)
+        except BaseException:
+            hashes.cancel()
+            raise
+        problems.extend(hashes.wait())
     finally:
         handle.close()
     return problems
+
+
+def _direct_groups(
+    entries: Sequence[IndexEntry], direct: dict[int, np.ndarray], span: int
+) -> list[list[tuple[int, int, np.ndarray]]]:
+    """The reads straight into destinations: each entry cut in pieces of `span` bytes
+    (whole blocks), and neighbouring pieces in the file (the next one at the page-aligned
+    end of the one before: a packed shard) joined into one read of at most `span` bytes,
+    so that a model of many small tensors is read in few large reads."""
+    groups: list[list[tuple[int, int, np.ndarray]]] = []
+    size = 0
+    end = -1
+    for i in sorted(direct, key=lambda i: entries[i].offset):
+        e, out = entries[i], direct[i]
+        for s in range(0, e.length, span):
+            piece = out[s : min(e.length, s + span)]
+            at = e.offset + s
+            if groups and at == -(-end // ALIGN) * ALIGN and size + piece.nbytes <= span:
+                groups[-1].append((i, s, piece))
+                size += piece.nbytes
+            else:
+                groups.append([(i, s, piece)])
+                size = piece.nbytes
+            end = at + piece.nbytes
+    return groups
+
+
+class _Hashes:
+    """The hash tasks of one read_entries call, submitted by its read tasks as their bytes
+    land. wait() once every read task has ended (so no more are submitted): the problems
+    found, the first failure raised after cancelling the rest; cancel() on a failed read.
+    A task's `done` callback runs however it ends, cancelled included (it frees a buffer,
+    or zeroes unchecked bytes)."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._futures: list[Future[list[CorruptCheckpoint]]] = []
+
+    def submit(
+        self,
+        fn: Callable[[], list[CorruptCheckpoint]],
+        done: Callable[[Future[list[CorruptCheckpoint]]], None],
+    ) -> None:
+        f = self._pool.submit(fn)
+        f.add_done_callback(done)
+        with self._lock:
+            self._futures.append(f)
+
+    def wait(self) -> list[CorruptCheckpoint]:
+        with self._lock:
+            futures = list(self._futures)
+        return [p for found in iopool.wait_all(futures) for p in found]
+
+    def cancel(self) -> None:
+        with self._lock:
+            futures = list(self._futures)
+        for f in futures:
+            f.cancel()
+        for f in futures:  # the running ones still use the caller's memory: wait for them
+            if not f.cancelled():
+                try:
+                    f.result()
+                except BaseException:  # noqa: BLE001, S110 - the read's failure is raised
+                    pass
+
+
+class _Buffers:
+    """Page-aligned buffers for pipelined reads, shared by every read of the process and
+    kept (a fresh buffer's first O_DIRECT read pays for faulting in every page, see
+    ckptd.iopool). A read task takes one, waiting while `limit` are out; the hash task
+    that consumes its bytes gives it back."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._free: list[np.ndarray] = []
+        self._maps: dict[int, tuple[np.ndarray, mmap.mmap]] = {}  # by address, given out
+        self._out = 0
+        self.probe = np.frombuffer(mmap.mmap(-1, ALIGN), dtype=np.uint8)  # can_read_into
+
+    def take(self, n: int, limit: int) -> np.ndarray:
+        with self._cond:
+            while True:
+                fits = [b for b in self._free if b.nbytes >= n]
+                if fits:
+                    buf = min(fits, key=lambda b: b.nbytes)
+                    self._free.remove(buf)
+                    self._out += 1
+                    return buf[:n]
+                if self._free or self._out < limit:
+                    if self._free:  # every free one is too small: replace one
+                        del self._maps[_address(self._free.pop())]
+                    self._out += 1
+                    break
+                self._cond.wait()
+        try:
+            size = -(-max(n, knobs.get().read_window) // ALIGN) * ALIGN
+            mm, buf = map_populated(size)
+        except BaseException:
+            with self._cond:
+                self._out -= 1
+                self._cond.notify()
+            raise
+        with self._cond:
+            self._maps[_address(buf)] = (buf, mm)
+        return buf[:n]
+
+    def give(self, view: np.ndarray) -> None:
+        with self._cond:
+            buf, _ = self._maps[_address(view)]
+            self._free.append(buf)
+            self._out -= 1
+            self._cond.notify()
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+_BUFFERS = _Buffers()
 
 
 def _mismatch(
@@ -238,7 +428,6 @@ def check_window(
     """Read one planned window through `handle` and check each of its blocks against
     entries[part.entry].blake3; verified blocks go to the sink. The problems (collect),
     else the first one raised."""
-    bad: list[CorruptCheckpoint] = []
     try:
         data = handle.read(w.offset, w.length)
     except StorageError as e:
@@ -246,6 +435,21 @@ def check_window(
         if not collect:
             raise err from e
         return [err]
+    return _check_parts(storage, path, w, data, entries, collect, sink, progress)
+
+
+def _check_parts(
+    storage: Storage,
+    path: str,
+    w: ReadWindow,
+    data: np.ndarray,
+    entries: Sequence[IndexEntry],
+    collect: bool,
+    sink: Sink | None,
+    progress: Callable[[int], None] | None,
+) -> list[CorruptCheckpoint]:
+    """Check the blocks of window `w`, read into `data`; verified ones go to the sink."""
+    bad: list[CorruptCheckpoint] = []
     for p in w.parts:
         view = data[p.at : p.at + p.length]
         ent = entries[p.entry]

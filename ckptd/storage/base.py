@@ -99,6 +99,13 @@ class ReadHandle(abc.ABC):
         """Bytes [offset, offset+out.nbytes) into `out` (uint8, C-contiguous)."""
         out[:] = self.read(offset, out.nbytes)
 
+    def read_spans(self, spans: Sequence[tuple[int, np.ndarray]]) -> None:
+        """read_into of each (offset, out), ascending, each span starting where the one
+        before ends rounded up to a 4 KiB page (a packed shard's neighbouring entries): a
+        handle that can reads them all with one call (a scatter read)."""
+        for offset, out in spans:
+            self.read_into(offset, out)
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

@@ -90,10 +90,11 @@ class _Bounce(threading.local):
     """
 
     buf: np.ndarray | None = None
+    least = _MIN_BOUNCE
 
     def get(self, n: int) -> np.ndarray:
         if self.buf is None or self.buf.nbytes < n:
-            size = -(-max(n, _MIN_BOUNCE) // ALIGN) * ALIGN
+            size = -(-max(n, self.least) // ALIGN) * ALIGN
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
             mm = mmap.mmap(-1, size, flags=flags)
             if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -106,6 +107,16 @@ class _Bounce(threading.local):
 
 
 _bounce = _Bounce()
+
+
+class _Scratch(_Bounce):
+    """The scratch pages of a scatter read (tails, padding): small, per thread, so a
+    reading thread does not hold a window-sized bounce buffer for a few pages."""
+
+    least = 64 * ALIGN
+
+
+_scratch = _Scratch()
 
 
 def _round_up(n: int) -> int:
@@ -332,6 +343,9 @@ def _skip(views: list[memoryview | bytes], n: int) -> list[memoryview | bytes]:
     return out
 
 
+_SPANS_PER_CALL = 256  # a span takes at most 2 iovecs; IOV_MAX is 1024
+
+
 class LocalReadHandle(ReadHandle):
     def __init__(self, storage: LocalStorage, path: str, full: str, cold: bool):
         self.path = path
@@ -413,6 +427,64 @@ class LocalReadHandle(ReadHandle):
             raise self._storage.io_error("read", self.path, e, offset=offset + done) from e
         if n > body:
             copy_into(out[body:], self.read(offset + body, n - body))
+
+    def read_spans(self, spans: Sequence[tuple[int, np.ndarray]]) -> None:
+        # One preadv per _SPANS_PER_CALL spans: each span's bytes straight into its memory
+        # (whole pages of it under O_DIRECT), and a scratch page of this thread's bounce
+        # buffer for each tail that is not a whole page (copied in after) and for the
+        # alignment padding between spans.
+        for at in range(0, len(spans), _SPANS_PER_CALL):
+            part = spans[at : at + _SPANS_PER_CALL]
+            if not self._scatter(part):
+                for offset, out in part:
+                    self.read_into(offset, out)
+
+    def _scatter(self, spans: Sequence[tuple[int, np.ndarray]]) -> bool:
+        """One scatter read of packed spans; False (nothing read) where it cannot be one."""
+        first = spans[0][0]
+        if self.direct and (first % ALIGN or any(_addr(out) % ALIGN for _, out in spans)):
+            return False
+        pads = 0
+        for (off, out), (nxt, _) in zip(spans, spans[1:], strict=False):
+            if nxt != _round_up(off + out.nbytes):
+                return False  # not packed
+            pads += nxt != off + out.nbytes
+        scratch = _scratch.get((pads + 1) * ALIGN)
+        iov: list[np.ndarray] = []
+        tails: list[tuple[np.ndarray, int, np.ndarray]] = []
+        k = 0
+        for j, (off, out) in enumerate(spans):
+            n = out.nbytes
+            end = off + n
+            last = j == len(spans) - 1
+            if self.direct:
+                body = n - n % ALIGN
+                if body:
+                    iov.append(out[:body])
+                if n > body:  # the tail and the padding after it: a whole page
+                    page = scratch[k * ALIGN : (k + 1) * ALIGN]
+                    iov.append(page)
+                    tails.append((out, body, page))
+                    k += 1
+            else:
+                iov.append(out)
+                if not last and _round_up(end) > end:
+                    iov.append(scratch[k * ALIGN : k * ALIGN + _round_up(end) - end])
+                    k += 1
+        need = spans[-1][0] + spans[-1][1].nbytes - first
+        try:
+            got = os.preadv(self._fd, iov, first)  # type: ignore[arg-type]
+        except OSError as e:
+            if self.direct and e.errno == errno.EINVAL:
+                self._reopen_buffered()
+                return False
+            raise self._storage.io_error("read", self.path, e, offset=first) from e
+        counters.read(max(got, 0))
+        if got < need:  # a short read (rare on a regular file): span by span instead
+            return False
+        for out, body, page in tails:
+            copy_into(out[body:], page[: out.nbytes - body])
+        return True
 
     def _reopen_buffered(self) -> None:
         # Accepted at open, refused at read (some FUSE mounts): read through the cache,
