@@ -25,6 +25,7 @@ from coordinator_fixtures import (
     ServerThread,
     ckptctl,
     finished,
+    free_port,
     make_certs,
     read_catalog,
     wait_for,
@@ -103,6 +104,37 @@ def plan(key: str, data: bytes) -> ChunkPlan:
         len(data),
         hashing.chunk_digest([hashing.digest(data)]),
     )
+
+
+def test_a_coordinator_that_comes_up_late_is_reached_within_the_retry_window(
+    root: Path,
+) -> None:
+    """A rank that starts while its coordinator is still starting (or restarting) retries
+    UNAVAILABLE for connect_retry_s. Its channel tries to reconnect at least every second,
+    so a coordinator that is up 9 s later is reached inside a 13 s window; with gRPC's own
+    spacing (1 s, growing 1.6x) the channel's attempts fell near 9.3 s and then 15.9 s, so a
+    rank often gave up on a coordinator that was already serving (the kill soak saw it)."""
+    port = free_port()
+    c = CoordinatorClient(f"127.0.0.1:{port}", token=TOKEN, connect_retry_s=13)
+    got: dict[str, Any] = {}
+
+    def open_job() -> None:
+        try:
+            got["generation"] = c.open_job("job", "a")[0]
+        except Exception as e:  # noqa: BLE001 - handed to the test's thread
+            got["error"] = e
+
+    t = threading.Thread(target=open_job)
+    t.start()
+    time.sleep(9)
+    assert t.is_alive(), got  # still retrying: nothing answers yet
+    s = ServerThread(root, options=ServerOptions(token=TOKEN), port=port)
+    try:
+        t.join(10)
+        assert not t.is_alive() and "generation" in got, got
+    finally:
+        c.close()
+        s.stop()
 
 
 # ----------------------------------------------------------------------------- auth

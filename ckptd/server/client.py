@@ -104,6 +104,14 @@ class CoordinatorClient:
             ("grpc.max_receive_message_length", 8 << 20),
             ("grpc.max_send_message_length", 8 << 20),
             ("grpc.enable_retries", 0),  # retries are ours, with deadlines that know the save
+            # A channel whose coordinator is down fails calls at once until its next
+            # reconnect attempt, and gRPC spaces those 1 s, 1.6 s, ... up to 120 s apart: a
+            # coordinator back after 8 s was seen only after 9-10 s, past a rank's
+            # connect_retry_s, and one down for a minute up to two minutes later. Tried
+            # at least every second, a restart is seen within the retry window it meets.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         self._creds: grpc.ChannelCredentials | None = None
         self._opts = opts
