@@ -23,18 +23,23 @@ def _aligned(n: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
 
 
+def _save_one_shard(job: str, state: dict[str, torch.Tensor]) -> tuple[object, str, list]:
+    """Saves `state` as step 1 of a one-rank job: its storage, its one shard's path and the
+    index entries of `state`'s keys, in the state's order."""
+    ckpt.save(state, job, step=1, verify="size")
+    storage = open_storage(job)
+    ck = ckfmt.open_checkpoint(storage, 1)
+    (shard,) = ck.manifest.shards
+    return storage, ck.shard_path(shard), [ck.chunks[k][0].entry for k in state]
+
+
 def _saved(job: str) -> tuple[dict[str, torch.Tensor], object, str, list]:
     g = torch.Generator().manual_seed(3)
     state = {
         "big": torch.randn(3 << 18, generator=g),  # 3 MiB: three hash blocks
         "odd": torch.randn(1000, generator=g),  # not a whole page
     }
-    ckpt.save(state, job, step=1, verify="size")
-    storage = open_storage(job)
-    ck = ckfmt.open_checkpoint(storage, 1)
-    (shard,) = ck.manifest.shards
-    entries = [ck.chunks[k][0].entry for k in ("big", "odd")]
-    return state, storage, ck.shard_path(shard), entries
+    return (state, *_save_one_shard(job, state))
 
 
 @pytest.mark.parametrize("direct_io", [True, False])
@@ -115,12 +120,8 @@ def _many(job: str, n: int = 40) -> tuple[dict[str, torch.Tensor], object, str, 
     state = {
         f"t{i:02d}": torch.randn(1024 * (1 + i % 3) + (i % 2) * 7, generator=g) for i in range(n)
     }
-    ckpt.save(state, job, step=1, verify="size")
-    storage = open_storage(job)
-    ck = ckfmt.open_checkpoint(storage, 1)
-    (shard,) = ck.manifest.shards
-    entries = sorted((ck.chunks[k][0].entry for k in state), key=lambda e: e.offset)
-    return state, storage, ck.shard_path(shard), entries
+    storage, path, entries = _save_one_shard(job, state)
+    return state, storage, path, sorted(entries, key=lambda e: e.offset)
 
 
 @pytest.mark.parametrize("direct_io", [True, False])
