@@ -145,6 +145,9 @@ def stage(
     """
     sizes = [leaf.nbytes for leaf in leaves]
     offsets, size = plan_offsets(sizes, alignment)
+    if not size:  # nothing to copy (a budget of 0, or only empty tensors): map nothing
+        empty = np.empty(0, dtype=np.uint8)
+        return empty, [leaf.write_item(empty) for leaf in leaves], offsets
     buf = image.ensure(size)
     base = int(buf.ctypes.data)
     # Zero the padding between entries (the file's bytes there are zeros).
