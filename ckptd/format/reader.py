@@ -169,9 +169,10 @@ def read_entries(
 
     # Reads into pooled buffers: at most `reads_in_flight` at once, and that many +
     # hashers buffers, so that a buffer is always free for a read while others wait for
-    # their hash. When every buffer could be in a read at once (8 readers, 6 buffers), the
-    # reads ended together, none could start until a hash task freed a buffer, and the
-    # disk idled: verify ran at 0.58 of a cold read of the same file, 0.9 with this.
+    # their hash (with 8 readers and 6 buffers, every buffer could be in a read at once,
+    # and then no read could start until a hash task freed one). What made verify slow
+    # (0.6 of a cold read of the same file) was the buffers' pages, not this: see
+    # ckptd.storage.local.map_populated.
     reads_in_flight = min(readers, 4)
     reading = threading.Semaphore(reads_in_flight)
 

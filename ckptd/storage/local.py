@@ -102,7 +102,7 @@ _MIN_BOUNCE = (32 << 20) + 2 * ALIGN  # one read window plus alignment slack: ra
 class _Bounce(threading.local):
     """A page-aligned buffer per thread, grown on demand, never shared.
 
-    Pre-faulted (MAP_POPULATE) and huge-page advised: an O_DIRECT transfer into fresh
+    Pre-faulted and huge-page advised (map_populated): an O_DIRECT transfer into fresh
     pages pays for faulting and pinning each one, and huge pages mean fewer to pin.
     """
 
@@ -112,10 +112,9 @@ class _Bounce(threading.local):
     def get(self, n: int) -> np.ndarray:
         if self.buf is None or self.buf.nbytes < n:
             size = -(-max(n, self.least) // ALIGN) * ALIGN
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(-1, size, flags=flags)
-            _advise_huge(mm)
-            self.buf = np.frombuffer(mm, dtype=np.uint8)
+            # Advised before it is faulted in (MAP_POPULATE at mmap time faulted 4 KiB
+            # pages first, left to khugepaged to merge later).
+            _, self.buf = map_populated(size)
         return self.buf[:n]
 
 
