@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import gc
 import json
-import mmap
 import os
 import platform
 import resource
@@ -22,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ckptd.storage.local import map_populated
 
 GB = 1e9
 MiB = 1 << 20
@@ -111,20 +112,13 @@ def u8(t: torch.Tensor) -> np.ndarray:
 
 # -- memory and files -------------------------------------------------------------------
 def aligned_buffer(n: int, fill: int | None = 0x5A) -> np.ndarray:
-    """A page-aligned (mmap) uint8 buffer, touched so no page fault is left for later.
-
-    Transparent huge pages asked for, as ckptd's own O_DIRECT buffers do
-    (ckptd.storage.local): a device request carries at most max_segments runs of
-    physically contiguous memory, so a floor's reads and writes into scattered 4 KiB pages
-    go in smaller requests than they could, and the floor would not be the best
-    configuration."""
-    mm = mmap.mmap(-1, max(ALIGN, _round_up(n, ALIGN)))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mm.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    buf = np.frombuffer(mm, dtype=np.uint8)[:n]
+    """A page-aligned uint8 buffer, faulted in, in huge pages where the kernel gives them,
+    as ckptd's own O_DIRECT buffers are (ckptd.storage.local.map_populated): a device
+    request carries at most max_segments runs of physically contiguous memory, so a
+    floor's reads and writes into scattered 4 KiB pages would go in smaller requests than
+    they could, and the floor would not be the best configuration."""
+    _, buf = map_populated(max(ALIGN, _round_up(n, ALIGN)))
+    buf = buf[:n]
     if fill is not None:
         buf.fill(fill)
     return buf

@@ -58,8 +58,8 @@ class Knobs:
     # Largest single positional write/read; also the bounce-buffer size for O_DIRECT.
     # 32 MiB: a one-rank save(verify="full") of 2.13 GB, write and early read-back
     # overlapped, ran at 0.97 of the same disk's overlapped write + read-back in 32 MiB
-    # windows, and at 0.84 in 8 MiB ones (3 interleaved reps; save(size) 1.2-1.3 s against
-    # 1.6-1.8 s): each window also is a hash task in the same slots, and fewer, larger
+    # windows, and at 0.84 in 8 MiB ones (3 interleaved reps; save(size) 1.30-1.34 s
+    # against 1.56-1.84 s): each window also is a hash task in the same slots, and fewer, larger
     # ones keep more of the slots writing.
     io_window: int = 32 << 20
     # Largest single read. Cold O_DIRECT reads ran 1.2-1.3x faster in 32 MiB windows than
