@@ -214,7 +214,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             during = steps_while(trainer, lambda p=pending: not p.done())
             pending.wait()
             add("train step while Checkpointer save persists s", statistics.median(during))
-            add("Checkpointer.save total s", pending.blocking_s + pending.timings.persist_s)
+            add(
+                "Checkpointer.save total s",
+                pending.blocking_s + pending.timings.persist_s + pending.timings.commit_s,
+            )
             blocking, fut, path = dcp_async(rep + 1)
             add("DCP async_save stall s", blocking)
             during = steps_while(trainer, lambda f=fut: not f.done())

@@ -296,7 +296,8 @@ class _Flattener:
             ):
                 placed = storage, _place(t)
         on_device = t.device.type != "cpu"
-        if on_device and not self.keep_device:
+        # Only CUDA tensors are left for the stager (its side streams are CUDA streams).
+        if on_device and (not self.keep_device or t.device.type != "cuda"):
             t = t.detach().to("cpu")
             on_device = False
         key = self.unique_key(path)
@@ -306,7 +307,10 @@ class _Flattener:
             self.storages.setdefault(placed[0], []).append(dataclasses.replace(placed[1], key=key))
         if on_device:
             # The stager copies it device-to-host into pinned memory; no host copy here.
-            src = t.detach().contiguous()
+            # conj/neg bits are resolved on the device first: a non_blocking D2H copy_ of
+            # a conj/neg view applies them to the host destination with conj_physical_ /
+            # neg_ right after queuing the memcpy (Copy.cu), racing with the DMA.
+            src = t.detach().resolve_conj().resolve_neg().contiguous()
             leaf = Leaf(key, "tensor", name, list(t.shape), _NO_BYTES, src)
             leaf.nbytes = src.numel() * src.element_size()
             self.leaves.append(leaf)

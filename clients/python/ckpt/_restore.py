@@ -179,7 +179,8 @@ class Planner:
         self.problems: list[str] = []
         self.missing: list[str] = []
         self.unexpected: list[str] = []
-        self._cuda = False  # a non-blocking host-to-device copy is in flight after read()
+        # The CUDA devices a non-blocking host-to-device copy is in flight on after read().
+        self._cuda: set[torch.device] = set()
         # The tensors made new for a load into {} (the object a key's references share),
         # and the buffers of the view groups they are views of (checked before any
         # tensor memory is allocated).
@@ -429,7 +430,7 @@ class Planner:
             # Read into pinned host memory, then one non-blocking copy per chunk; read()
             # synchronizes once at the end. (Not exercised by the tests: no GPU in CI.)
             buf = torch.empty(sizes, dtype=dtype, pin_memory=True)
-            self._cuda = True
+            self._cuda.add(target.device)
             copy = functools.partial(_copy, target, buf, True)
         else:
             buf = _empty(sizes, dtype)
@@ -545,8 +546,8 @@ class Planner:
             fn()
         for fn in self.after_read:
             fn()
-        if self._cuda:
-            torch.cuda.synchronize()
+        for device in self._cuda:  # torch.cuda.synchronize() alone: the current device only
+            torch.cuda.synchronize(device)
         return total
 
 

@@ -47,7 +47,11 @@ class RNGState:
         for g, s in zip(self.generators, gens, strict=True):
             g.set_state(s)
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+            # One state per device visible at save time; set_rng_state_all indexes
+            # torch.cuda.default_generators[i] for every one (IndexError past the devices
+            # visible now, e.g. a resume with CUDA_VISIBLE_DEVICES=<local rank>).
+            states = list(state["cuda"])[: torch.cuda.device_count()]
+            torch.cuda.set_rng_state_all(states)
 
     def __repr__(self) -> str:
         return f"RNGState({len(self.generators)} generators)"

@@ -103,6 +103,7 @@ class SaveJob:
     ):
         self.storage, self.ref, self.options = storage, ref, options
         self.node, self.metadata = node, metadata
+        self.host = host  # the image staged into (a one-off one is released after the save)
         align = self.alignment = knobs.get().alignment
         sizes = [leaf.nbytes for leaf in leaves]
         self.held_bytes = sum(sizes)

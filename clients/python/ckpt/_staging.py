@@ -46,6 +46,8 @@ class HostImage:
         self._mm: mmap.mmap | None = None
         self._buf: np.ndarray | None = None
         self._pinned = False
+        self._pin_device: int | None = None  # the CUDA device current when it was pinned
+        self._pin_failed = False
         self._preparing: threading.Thread | None = None
         self.allocated_on: str | None = None  # the thread that mapped the buffer in use
 
@@ -60,6 +62,10 @@ class HostImage:
         if self.capacity >= size and (self._pinned or not pin):
             return
 
+        # The CUDA device is per host thread (a new thread starts on device 0): register
+        # with the caller's, or every rank would open a context on GPU 0.
+        device = torch.cuda.current_device() if pin and torch.cuda.is_available() else None
+
         def run() -> None:
             try:  # Linux nice is per thread: yield the cores to training and its I/O
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
@@ -67,7 +73,7 @@ class HostImage:
                 pass
             self.ensure(size)
             if pin:
-                self.pin()
+                self.pin(device)
 
         self._preparing = threading.Thread(target=run, name="ckpt-staging-prepare", daemon=True)
         self._preparing.start()
@@ -88,18 +94,39 @@ class HostImage:
         assert self._buf is not None
         return self._buf[:size]
 
-    def pin(self) -> None:
-        """Register the buffer with CUDA so device-to-host copies are DMA (once per buffer)."""
-        if self._pinned or self._buf is None or not torch.cuda.is_available():
+    def pin(self, device: int | None = None) -> None:
+        """Register the buffer with CUDA so device-to-host copies are DMA (once per buffer).
+
+        device: the CUDA device to register with (default: the calling thread's current
+        one). The call runs on a thread of its own: a failed cudaHostRegister stays in
+        the CUDA runtime's per-thread last error (torch's binding does not clear it), and
+        on the training thread the next kernel launch check would raise it."""
+        if self._pinned or self._pin_failed or self._buf is None or not torch.cuda.is_available():
             return
-        rc = torch.cuda.cudart().cudaHostRegister(self._buf.ctypes.data, self._buf.nbytes, 0)
-        self._pinned = int(rc) == 0
+        if device is None:
+            device = torch.cuda.current_device()
+        ptr, nbytes = int(self._buf.ctypes.data), self._buf.nbytes
+        rc: list[int] = [-1]
+
+        def register() -> None:
+            with torch.cuda.device(device):
+                # 1: cudaHostRegisterPortable, as torch.cuda._pin_memory_utils
+                rc[0] = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))
+
+        t = threading.Thread(target=register, name="ckpt-staging-pin", daemon=True)
+        t.start()
+        t.join()
+        self._pinned = rc[0] == 0
+        self._pin_failed = not self._pinned  # not retried (seconds each) for this buffer
+        self._pin_device = device if self._pinned else None
 
     def release(self) -> None:
         self.wait_prepared()
         if self._pinned and self._buf is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._buf.ctypes.data)
-        self._pinned = False
+            with torch.cuda.device(self._pin_device):
+                torch.cuda.cudart().cudaHostUnregister(int(self._buf.ctypes.data))
+        self._pinned = self._pin_failed = False
+        self._pin_device = None
         self._buf = None
         if self._mm is not None:
             try:
@@ -182,14 +209,26 @@ def stage(
 def _stage_cuda(
     leaves: Sequence[Leaf], which: list[int], buf: np.ndarray, offsets: list[int]
 ) -> None:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in which:
-            t = leaves[i].source
-            n = t.numel() * t.element_size()
-            if not n:
-                continue
-            dst = torch.from_numpy(buf[offsets[i] : offsets[i] + n]).view(t.dtype).view(t.shape)
-            dst.copy_(t, non_blocking=True)
-    stream.synchronize()
+    # A copy runs on the current stream of its tensor's device (Copy.cu sets the device
+    # guard to the CUDA side): one side stream per device the leaves are on, each after
+    # that device's current stream, and all of them synchronized before the host reads.
+    by_device: dict[torch.device, list[int]] = {}
+    for i in which:
+        by_device.setdefault(leaves[i].source.device, []).append(i)
+    streams = []
+    for device, idx in by_device.items():
+        if device.type != "cuda":
+            raise CkptError(f"cannot stage tensors on {device}: only CUDA tensors are staged")
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for i in idx:
+                t = leaves[i].source
+                n = t.numel() * t.element_size()
+                if not n:
+                    continue
+                dst = torch.from_numpy(buf[offsets[i] : offsets[i] + n])
+                dst.view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+        streams.append(stream)
+    for stream in streams:
+        stream.synchronize()
