@@ -29,6 +29,7 @@ import ctypes
 import io
 import os
 import queue
+import statistics
 import sys
 import time
 import warnings
@@ -157,17 +158,29 @@ class Clock:
         self.b = b
         self.cold = cold
         self.s = 0.0
+        self.cpu_s = 0.0  # user + system CPU of this process and its children, all threads
 
     def __enter__(self) -> Clock:
         if self.cold:
             self.b.notes["cache_drop"] = C.drop_caches(self.b.work)
         else:
             os.sync()
+        self.cpu0 = _cpu_s()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.s = time.perf_counter() - self.t0
+        self.cpu_s = _cpu_s() - self.cpu0
+
+    def record_cpu(self, name: str) -> None:
+        """Keep this block's CPU seconds under the method's name (the "cpu" ceilings)."""
+        self.b.notes.setdefault("cpu_s", {}).setdefault(name, []).append(self.cpu_s)
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 Method = Callable[[Bench], float]
@@ -542,12 +555,16 @@ def dcp_ckptd_load(b: Bench) -> float:
 
 
 # -- ckpt -----------------------------------------------------------------------------------
-def ckpt_save(b: Bench, verify: str, key: str | None = None, **kw: Any) -> float:
+def ckpt_save(
+    b: Bench, verify: str, key: str | None = None, cpu_as: str | None = None, **kw: Any
+) -> float:
     import ckpt
 
     job = b.path(f"ckpt-{key or 'tmp'}")
     with Clock(b) as clk:
         res = ckpt.save(b.state, job, step=1, verify=verify, **kw)
+    if cpu_as is not None:
+        clk.record_cpu(cpu_as)
     if res.bytes < b.nbytes:
         raise AssertionError(f"ckpt.save reports {res.bytes} bytes, the state has {b.nbytes}")
     if key is None:
@@ -557,11 +574,14 @@ def ckpt_save(b: Bench, verify: str, key: str | None = None, **kw: Any) -> float
     return clk.s
 
 
-method("ckpt", "ckpt save(verify=size)")(lambda b: ckpt_save(b, "size"))
-method("ckpt", "ckpt save(verify=size, preallocate)")(
-    lambda b: ckpt_save(b, "size", preallocate=True)
-)
-method("ckpt", "ckpt save(verify=full)")(lambda b: ckpt_save(b, "full", key="ckpt"))
+for _name, _verify, _key, _kw in (
+    ("ckpt save(verify=size)", "size", None, {}),
+    ("ckpt save(verify=size, preallocate)", "size", None, {"preallocate": True}),
+    ("ckpt save(verify=full)", "full", "ckpt", {}),
+):
+    method("ckpt", _name)(
+        lambda b, n=_name, v=_verify, k=_key, kw=_kw: ckpt_save(b, v, k, cpu_as=n, **kw)
+    )
 
 
 RECYCLED_JOB = "ckpt-recycled"
@@ -624,6 +644,7 @@ def ckpt_save_recycled(b: Bench) -> float:
     job, step = _recycled_job(b)
     with Clock(b) as clk:
         ckpt.save(b.state, job, step=step, verify="size", keep_last=1)
+    clk.record_cpu("ckpt save(verify=size, recycled)")
     b.notes["recycled_step"] = step
     return clk.s
 
@@ -783,7 +804,22 @@ def add_sweep() -> None:
 
 
 # -- ratios and report ----------------------------------------------------------------------
-def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
+def cpu_bound_gbps(b: Bench) -> dict[str, float]:
+    """For each method that kept its CPU seconds (Clock.record_cpu): the GB/s it would run
+    at if the machine's cores did nothing but its work, all of them all the time (bytes x
+    cores / median CPU seconds). A method whose figure is near its floor is held back by
+    the cores, not the disk, whatever its I/O does."""
+    cores = len(os.sched_getaffinity(0))
+    return {
+        name: b.nbytes * cores / statistics.median(cpu) / C.GB
+        for name, cpu in b.notes.get("cpu_s", {}).items()
+        if cpu and statistics.median(cpu) > 0
+    }
+
+
+def ratios(
+    med: dict[str, float], cpu_bound: dict[str, float] | None = None
+) -> list[dict[str, Any]]:
     """ckpt against its floors and peers; each a ratio of median GB/s of this run.
 
     The floors (group "floor") read or write the very files the ckpt method does, or a
@@ -795,7 +831,9 @@ def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
     before. The ceiling rows say what the save(full) / DCP save target can be here: the
     write-and-read-back floor over DCP's save, and the cores' blake3 rate halved (the save
     hashes each byte as it writes it and again as it reads it back) over DCP's save; a
-    ceiling under 1.2 means no save(full) reaches 1.2 on this machine. The older "best
+    ceiling under 1.2 means no save(full) reaches 1.2 on this machine. The "its CPU" rows
+    (cpu_bound_gbps) say whether a save is held back by the cores: under its target, the
+    save cannot reach it with the CPU work it does now, however its I/O is scheduled. The older "best
     raw" rows (raw.bin, written moments before the read and maybe served by a cache below
     the VM) are kept as info. The stall row is later / first (a first stall at most 1.5x a
     later one is a ratio of at least 0.67).
@@ -826,6 +864,11 @@ def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
     dcp_ckptd_size = med.get("DCP through ckptd save (verify=size)", nan)
     dcp_ckptd_save = med.get("DCP through ckptd save (verify=full)", nan)
     dcp_ckptd_load = med.get("DCP through ckptd load", nan)
+    cpu_names = {"full": "ckpt save(verify=full)", "rec": "ckpt save(verify=size, recycled)"}
+
+    def cpu(which: str) -> float:
+        return (cpu_bound or {}).get(cpu_names[which], nan)
+
     falloc = med.get("raw write fallocated file, O_DIRECT, 2 thr", nan)
     overwrite = med.get("raw write overwrite blocks, O_DIRECT, 2 thr", nan)
     # GB/s of a stall is bytes over blocking seconds: later / first in time is first / later
@@ -848,7 +891,9 @@ def ratios(med: dict[str, float]) -> list[dict[str, Any]]:
         ("  ceiling: write + read-back floor / DCP save", write_read, dcp_save, None),
         ("  ceiling: (blake3 2 thr / 2) / DCP save", blake2 / 2, dcp_save, None),
         ("ckpt save(full) / write new file + read it back", full, write_read, 0.9),
+        ("  its CPU: cores / its CPU seconds, over the same floor", cpu("full"), write_read, None),
         ("ckpt save(size, recycled) / overwrite of that pool file", rec, pool_write, 0.8),
+        ("  its CPU: cores / its CPU seconds, over the same floor", cpu("rec"), pool_write, None),
         (
             "ckptctl verify full / min(cold read of its shard files, blake3 2 thr)",
             ver,
@@ -936,7 +981,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         times, errors = C.run_reps(REGISTRY, b, args.reps, after_rep=clear_outputs)
         b.notes["loadavg_start"], b.notes["loadavg_end"] = b_load, os.getloadavg()
-        C.report_run("save_restore", b, REGISTRY, times, errors, args, ratios)
+        C.report_run(
+            "save_restore", b, REGISTRY, times, errors, args, lambda m: ratios(m, cpu_bound_gbps(b))
+        )
     finally:
         C.remove(work)
     return 1 if errors else 0
