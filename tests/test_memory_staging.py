@@ -66,3 +66,35 @@ def test_memory_and_persistent_saves_share_one_staging_image(tmp_path, tier):
             res = cp.load(got, step=step)
             assert torch.equal(got["w"], state_at(step)["w"]), (step, res.tier)
         assert cp.load({"w": torch.zeros(16 << 20)}, step=4).tier == "memory"
+
+
+def test_a_persistent_save_releases_the_image_of_its_own_after_writing(tmp_path, tier, monkeypatch):
+    # The one-off image a persistent save stages into (a memory save holds the shared one)
+    # is unmapped, and on CUDA unregistered, when the save is written: left to the garbage
+    # collector it would stay mapped (and pinned) for as long as the SaveJob lives.
+    import ckpt._checkpointer as checkpointer
+    from ckpt._staging import HostImage
+
+    made: list[HostImage] = []
+
+    class Recorded(HostImage):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(checkpointer, "HostImage", Recorded)
+    with ckpt.Checkpointer(str(tmp_path / "job"), memory=tier) as cp:
+        saver = cp._memory
+        assert saver is not None
+        state, after = state_at(1), state_at(2)
+        mem = cp.save_memory(state, 1)
+        assert saver.holds_shared
+        persistent = cp.save(after, 2)
+        own = [image for image in made if image is not cp._image]
+        assert len(own) == 1 and own[0].capacity >= 64 << 20  # staged into it
+        persistent.wait()
+        assert own[0].capacity == 0  # released once written
+        mem.wait()
+        got = {"w": torch.zeros(16 << 20)}
+        cp.load(got, step=2)
+        assert torch.equal(got["w"], state_at(2)["w"])
