@@ -59,7 +59,7 @@ class HostImage:
         """Map (and fault in, and with `pin` register with CUDA) a buffer of at least
         `size` bytes on a background thread; the next ensure() waits for it."""
         self.wait_prepared()
-        if self.capacity >= size and (self._pinned or not pin):
+        if self.capacity >= size and (self._pinned or self._pin_failed or not pin):
             return
 
         # The CUDA device is per host thread (a new thread starts on device 0): register
