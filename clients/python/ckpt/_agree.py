@@ -17,17 +17,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ckpt._world import collective_device
+
 
 def _reduce(value: int, op: dist.ReduceOp.RedOpType) -> int:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
-    # nccl reduces only tensors on the rank's current CUDA device; gloo, CPU tensors.
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=op)
     return int(t.item())
 

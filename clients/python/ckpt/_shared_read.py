@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ckpt._world import collective_device
 from ckptd import knobs
 from ckptd.errors import CkptError, CorruptCheckpoint, PeerReadFailed
 from ckptd.format import hashing
@@ -58,9 +59,7 @@ class Peers:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.nccl = dist.get_backend() == "nccl"
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if self.nccl else torch.device("cpu")
-        )
+        self.device = collective_device()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
         self.per_node = local if local > 0 else self.world
 

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 PROCESS_ATTEMPT = f"process-{uuid.uuid4()}"
 
@@ -87,3 +91,20 @@ def dist_store() -> object | None:
     except (ImportError, RuntimeError, ValueError):
         return None
     return None
+
+
+def collective_device() -> torch.device:
+    """Where the tensors of this rank's collectives live: under nccl the rank's CUDA device
+    (the one the default group was bound to with init_process_group(device_id=...), else
+    the current one), otherwise the CPU (gloo). A job that binds its device only through
+    device_id, without torch.cuda.set_device, would otherwise put every rank's tensor on
+    cuda:0, and nccl refuses two ranks on one GPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    bound = getattr(_get_default_group(), "bound_device_id", None)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
