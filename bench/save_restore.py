@@ -864,11 +864,8 @@ def ratios(
     dcp_ckptd_size = med.get("DCP through ckptd save (verify=size)", nan)
     dcp_ckptd_save = med.get("DCP through ckptd save (verify=full)", nan)
     dcp_ckptd_load = med.get("DCP through ckptd load", nan)
-    cpu_names = {"full": "ckpt save(verify=full)", "rec": "ckpt save(verify=size, recycled)"}
-
-    def cpu(which: str) -> float:
-        return (cpu_bound or {}).get(cpu_names[which], nan)
-
+    cpu_full = (cpu_bound or {}).get("ckpt save(verify=full)", nan)
+    cpu_rec = (cpu_bound or {}).get("ckpt save(verify=size, recycled)", nan)
     falloc = med.get("raw write fallocated file, O_DIRECT, 2 thr", nan)
     overwrite = med.get("raw write overwrite blocks, O_DIRECT, 2 thr", nan)
     # GB/s of a stall is bytes over blocking seconds: later / first in time is first / later
@@ -891,9 +888,9 @@ def ratios(
         ("  ceiling: write + read-back floor / DCP save", write_read, dcp_save, None),
         ("  ceiling: (blake3 2 thr / 2) / DCP save", blake2 / 2, dcp_save, None),
         ("ckpt save(full) / write new file + read it back", full, write_read, 0.9),
-        ("  its CPU: cores / its CPU seconds, over the same floor", cpu("full"), write_read, None),
+        ("  its CPU: cores / its CPU seconds, over the same floor", cpu_full, write_read, None),
         ("ckpt save(size, recycled) / overwrite of that pool file", rec, pool_write, 0.8),
-        ("  its CPU: cores / its CPU seconds, over the same floor", cpu("rec"), pool_write, None),
+        ("  its CPU: cores / its CPU seconds, over the same floor", cpu_rec, pool_write, None),
         (
             "ckptctl verify full / min(cold read of its shard files, blake3 2 thr)",
             ver,

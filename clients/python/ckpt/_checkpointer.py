@@ -271,8 +271,8 @@ class Checkpointer:
             image = self._image if shared else HostImage()
             job = SaveJob(self.storage, ref, node, meta, options or self.options, leaves, image)
         except BaseException as e:
-            if image is not None and image is not self._image:
-                image.release()  # unregistered from CUDA before it is unmapped
+            if image is not None:
+                self._release_own(image)
             # The other ranks must not wait for this one at the barrier.
             RankSave(self._save_client, ref, timeout_s=self.timeout_s).abort(
                 f"{type(e).__name__}: {e}"
@@ -330,13 +330,13 @@ class Checkpointer:
             b = begun or self._begin(job, parent)
             result = commit(job, pending, t0, b, storage=self.storage)
         except BaseException as e:  # handed to the training loop through the PendingSave
-            self._release_own(job)
+            self._release_own(job.host)
             pending.timings.persist_s = time.perf_counter() - t0
             pending.settle(None, e)
             if self.on_error == "warn":
                 log.warning("job %s step %d failed: %s", self.path, job.step, e)
             return
-        self._release_own(job)
+        self._release_own(job.host)
         pending.timings.persist_s = time.perf_counter() - t0 - pending.timings.commit_s
         result = dataclasses.replace(result, **dataclasses.asdict(pending.timings))
         log_saved(result, f"job {self.path!r} step {job.step} rank {self.rank}/{self.world_size}")
@@ -344,12 +344,13 @@ class Checkpointer:
         if self._mirror is not None:
             self._mirror.submit(job.step)  # committed locally: now the copy to the mirror
 
-    def _release_own(self, job: SaveJob) -> None:
-        """A one-off staging image (a memory save held the shared one): written out, so
-        unregister it from CUDA and unmap it now; garbage collection would unmap it still
-        registered (the pinned pages and the registration would outlive the mapping)."""
-        if job.host is not self._image:
-            job.host.release()
+    def _release_own(self, image: HostImage) -> None:
+        """A one-off staging image (a memory save held the shared one), once its save is
+        written or has failed: unregistered from CUDA and unmapped now; garbage collection
+        would unmap it still registered (the pinned pages and the registration would
+        outlive the mapping). The shared image is kept."""
+        if image is not self._image:
+            image.release()
 
     def _begin(self, job: SaveJob, parent: int | None | Unset) -> Begun:
         """Hash and plan this rank's part of `job` (ckpt._persist.begin)."""

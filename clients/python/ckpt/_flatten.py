@@ -295,11 +295,10 @@ class _Flattener:
                 or values.self_overlaps(list(t.shape), list(t.stride()))
             ):
                 placed = storage, _place(t)
-        on_device = t.device.type != "cpu"
         # Only CUDA tensors are left for the stager (its side streams are CUDA streams).
-        if on_device and (not self.keep_device or t.device.type != "cuda"):
+        on_device = self.keep_device and t.device.type == "cuda"
+        if t.device.type != "cpu" and not on_device:
             t = t.detach().to("cpu")
-            on_device = False
         key = self.unique_key(path)
         if sig is not None:
             self.by_storage[sig] = key

@@ -216,9 +216,7 @@ def _stage_cuda(
     for i in which:
         by_device.setdefault(leaves[i].source.device, []).append(i)
     streams = []
-    for device, idx in by_device.items():
-        if device.type != "cuda":
-            raise CkptError(f"cannot stage tensors on {device}: only CUDA tensors are staged")
+    for device, idx in by_device.items():  # only CUDA leaves are on a device (ckpt._flatten)
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
