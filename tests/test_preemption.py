@@ -195,10 +195,12 @@ def test_sigterm_in_a_training_process_commits_one_last_checkpoint(tmp_path: Pat
     assert f"finally ran after step {trained_to}" in stdout
     # Every periodic save, plus exactly one last one at the step where training stopped;
     # or, when the signal came while a periodic save was in flight, that save finished
-    # (not repeated) as the last checkpoint, training stopped at the next step's safe point.
+    # (not repeated) as the last checkpoint (README, Preemption). That save can be more
+    # than one step old: on a slow disk the save of step 5 was still persisting at step 10.
     last = steps[-1]
     if last != trained_to:
-        assert last % 5 == 0 and last == trained_to - 1, (steps, trained_to, stderr)
+        assert last % 5 == 0 and last < trained_to, (steps, trained_to, stderr)
+        assert f"taking the last checkpoint at step {trained_to}" in stderr
     assert [s for s in steps if s % 5] == ([last] if last % 5 else [])
     assert f"last checkpoint: step {last} committed" in stderr
     got: dict[str, Any] = {}
