@@ -23,11 +23,17 @@ MiB = 1 << 20
 class Recording(DelegatingStorage):
     """Logs every shard write, read and fsync in the order they happen."""
 
-    def __init__(self, inner: LocalStorage, corrupt_at: int | None = None):
+    def __init__(
+        self, inner: LocalStorage, corrupt_at: int | None = None, hold_from: int | None = None
+    ):
         super().__init__(inner)
         self.log: list[tuple[str, int]] = []
         self.lock = threading.Lock()
         self.corrupt_at = corrupt_at
+        # Writes at or past this offset wait (30 s at most) for the first read-back: the
+        # order the test asserts then does not hang on how fast this machine writes.
+        self.hold_from = hold_from
+        self.first_read = threading.Event()
 
     def note(self, what: str, offset: int) -> None:
         with self.lock:
@@ -51,6 +57,8 @@ class Recording(DelegatingStorage):
                     bad = arr.copy()
                     bad[outer.corrupt_at - off] ^= 0xFF
                     pieces = [(off, bad), *pieces[1:]]
+                if outer.hold_from is not None and offset >= outer.hold_from:
+                    outer.first_read.wait(timeout=30)
                 inner.write(offset, length, pieces)
                 outer.note("write", offset)
 
@@ -74,6 +82,7 @@ class Recording(DelegatingStorage):
 
             def read(self, offset: int, length: int) -> np.ndarray:
                 outer.note("read", offset)
+                outer.first_read.set()
                 return inner.read(offset, length)
 
             def close(self) -> None:
@@ -112,7 +121,11 @@ def _direct(tmp_path) -> LocalStorage:
 
 
 def test_full_verify_reads_back_while_writing_and_before_the_fsync(tmp_path):
-    storage = Recording(_direct(tmp_path))
+    # The last window's write waits for a read-back: one that only comes after every
+    # write (no early check) leaves it waiting out its 30 s, and the order below fails.
+    # Unheld, a machine that wrote all 16 windows before the first two were hashed
+    # failed it now and then (after other tests had warmed the I/O threads' buffers).
+    storage = Recording(_direct(tmp_path), hold_from=120 * MiB)
     _save(storage, "full")
     kinds = [k for k, _ in storage.log]
     writes = [i for i, k in enumerate(kinds) if k == "write"]
