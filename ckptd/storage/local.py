@@ -3,7 +3,8 @@
 Writes are positional (pwrite/pwritev) from a thread pool owned by the caller, so several
 windows are in flight at once. With O_DIRECT each thread copies its window into a
 page-aligned bounce buffer of its own (a memcpy, ~20 GB/s, with the GIL released) and
-writes that; where the filesystem refuses O_DIRECT (tmpfs, some FUSE mounts) the handle
+writes that, except the whole pages of any piece whose memory is aligned like its file
+offset, which go straight from that memory in the same pwritev (direct_segments); where the filesystem refuses O_DIRECT (tmpfs, some FUSE mounts) the handle
 falls back to buffered writes, and then starts write-back of every window at once
 (sync_file_range) so the final fsync has little left to do.
 
@@ -189,6 +190,76 @@ def write_atomic(
         raise
 
 
+# The least of a piece worth a transfer of its own, straight from its memory: below it the
+# piece is copied into the bounce buffer with its neighbours (an iovec per few KiB would
+# cost the disk more, in smaller requests, than the copy costs the cores).
+_STRAIGHT_MIN = 64 << 10
+_IOV_PER_CALL = 512  # IOV_MAX is 1024
+
+
+def direct_segments(
+    offset: int, n: int, pieces: Sequence[Piece], bounce: Callable[[int], np.ndarray]
+) -> list[np.ndarray]:
+    """The memory an O_DIRECT write of file bytes [offset, offset + n) takes, in order.
+
+    O_DIRECT wants the memory of a transfer aligned like the file offset it goes to. Of a
+    piece whose memory is (its address and its file offset agree modulo ALIGN: a page-
+    aligned tensor at a page-aligned offset), the whole pages go straight from it; every
+    other byte (the rest of those pieces, the other pieces, the zeros between them) is
+    copied into the bounce buffer at its own place in the window, so each run of bounced
+    bytes starts and ends page-aligned as well. Without such a piece this is one copy of
+    the window into the bounce buffer, as it always was; with one page-aligned tensor
+    covering the window, no copy at all. `offset` and `n` are page multiples.
+    """
+    straight: list[tuple[int, int, np.ndarray]] = []  # [a, b) of the file, from arr
+    for off, arr in pieces:
+        if (_addr(arr) - off) % ALIGN:
+            continue
+        a = _round_up(off)
+        b = (off + arr.nbytes) // ALIGN * ALIGN
+        if b - a >= _STRAIGHT_MIN:
+            straight.append((a, b, arr[a - off : b - off]))
+    if len(straight) == 1 and straight[0][0] == offset and straight[0][1] == offset + n:
+        return [straight[0][2]]
+    buf = bounce(n)
+    base = _addr(buf)
+    pos, s = offset, 0
+    for off, arr in pieces:  # the bounced bytes, and zeros where no piece is
+        if off > pos:
+            ctypes.memset(base + pos - offset, 0, off - pos)
+        end = off + arr.nbytes
+        if s < len(straight) and off <= straight[s][0] < end:
+            a, b, _ = straight[s]
+            s += 1
+            copy_into(buf[off - offset :], arr[: a - off])
+            copy_into(buf[b - offset :], arr[b - off :])
+        else:
+            copy_into(buf[off - offset :], arr)
+        pos = end
+    if offset + n > pos:
+        ctypes.memset(base + pos - offset, 0, offset + n - pos)
+    out: list[np.ndarray] = []
+    pos = offset
+    for a, b, mem in straight:
+        if a > pos:
+            out.append(buf[pos - offset : a - offset])
+        out.append(mem)
+        pos = b
+    if offset + n > pos:
+        out.append(buf[pos - offset : n])
+    return out
+
+
+def _skip_arrays(views: list[np.ndarray], n: int) -> list[np.ndarray]:
+    """What is left of `views` after the first n bytes were written."""
+    while views and n >= views[0].nbytes:
+        n -= views[0].nbytes
+        views = views[1:]
+    if n:
+        views = [views[0][n:], *views[1:]]
+    return views
+
+
 class LocalWriteHandle(WriteHandle):
     def __init__(
         self,
@@ -252,20 +323,14 @@ class LocalWriteHandle(WriteHandle):
 
     def _write_direct(self, offset: int, length: int, pieces: Sequence[Piece]) -> None:
         n = _round_up(length)
-        if (
-            len(pieces) == 1
-            and pieces[0][0] == offset
-            and pieces[0][1].nbytes == n
-            and _addr(pieces[0][1]) % ALIGN == 0
-        ):
-            # The caller's memory is already the file image, page-aligned: no bounce copy.
-            buf = pieces[0][1]
-        else:
-            buf = self._assemble(offset, n, pieces)
+        views: list[np.ndarray] = direct_segments(offset, n, pieces, _bounce.get)
         done = 0
         while done < n:
             try:
-                w = os.pwrite(self._fd, memoryview(buf)[done:n], offset + done)  # type: ignore[arg-type]
+                if len(views) == 1:
+                    w = os.pwrite(self._fd, views[0], offset + done)  # type: ignore[arg-type]
+                else:
+                    w = os.pwritev(self._fd, views[:_IOV_PER_CALL], offset + done)  # type: ignore[arg-type]
                 counters.wrote(max(w, 0))
             except OSError as e:
                 # Some filesystems accept O_DIRECT at open and refuse it at write.
@@ -280,18 +345,7 @@ class LocalWriteHandle(WriteHandle):
             if w <= 0 or (done + w < n and (done + w) % ALIGN):
                 raise OSError(errno.EIO, f"short write: {done + max(w, 0)} of {n} bytes")
             done += w
-
-    def _assemble(self, offset: int, n: int, pieces: Sequence[Piece]) -> np.ndarray:
-        buf = _bounce.get(n)
-        pos = offset
-        for off, arr in pieces:
-            if off > pos:
-                ctypes.memset(_addr(buf) + (pos - offset), 0, off - pos)
-            copy_into(buf[off - offset :], arr)
-            pos = off + arr.nbytes
-        if offset + n > pos:
-            ctypes.memset(_addr(buf) + (pos - offset), 0, offset + n - pos)
-        return buf
+            views = _skip_arrays(views, w)
 
     def _reopen_buffered(self) -> None:
         with self._lock:
