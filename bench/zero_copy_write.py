@@ -11,14 +11,20 @@ The way around it would be a format change: place each entry at the 4 KiB-aligne
 the one before plus its memory's offset within a page ("phased"), so that file offset and
 address agree modulo 4096 and the whole pages of every tensor go to the device straight
 from its memory, with only each tensor's first and last partial pages (and the padding)
-through a small bounce buffer. This script measures that before anyone builds it: the same
-bytes (bench/_common.make_state) written three ways, interleaved, each an fsynced file:
+through the bounce buffer. This script measures that before anyone builds it: the same
+bytes (bench/_common.make_state) written four ways, interleaved, each an fsynced file:
 
-  bounce      today's packed layout: every window copied into an aligned bounce buffer
-  phased      the phased layout: one pwritev per window, whole pages straight from the
-              tensors, the rest bounced (64 KiB or more of a tensor before it goes direct)
+  bounce      the packed layout, every window copied into an aligned bounce buffer
+  packed, ckptd's writer
+              the packed layout as ckptd writes it (ckptd.storage.local.direct_segments):
+              the whole pages of page-aligned tensors straight, the rest bounced; the same
+              as `bounce` for torch's default allocation, not with THP_MEM_ALLOC_ENABLE=1
+  phased      the phased layout through the same direct_segments
   image       the packed layout from a page-aligned huge-page image, no copy: the floor
               save_restore.py uses, reachable by a save that staged (Checkpointer.save)
+
+Whether memory in 4 KiB pages costs the disk more than the copy depends on the kernel's
+transparent huge pages (printed, with THP_MEM_ALLOC_ENABLE): run it under each.
 
 with `--mode new` (a new file, as a save's first write) or `--mode overwrite` (the file's
 blocks already allocated, as a recycled save). It checks the phased file's bytes before
@@ -44,8 +50,9 @@ from typing import Any
 import _common as C
 import numpy as np
 
+from ckptd.storage.local import direct_segments
+
 WINDOW = 32 << 20  # ckptd's io_window
-MIN_DIRECT = 64 << 10  # a tensor's whole pages go straight only when there are this many
 IOV_MAX = 1024
 
 Window = tuple[int, int, list[tuple[int, np.ndarray]]]  # file offset, length, pieces
@@ -119,29 +126,28 @@ def write_bounce(fd: int, w: Window) -> None:
         raise OSError(f"short write at {off}")
 
 
-def write_phased(fd: int, w: Window) -> None:
+def write_segments(fd: int, w: Window) -> None:
+    """As ckptd writes a window (ckptd.storage.local.direct_segments): the whole pages of
+    pieces whose memory is aligned like their file offset straight (64 KiB or more of
+    them), the rest bounced."""
     off, n, pieces = w
-    buf = _scratch.get(WINDOW)  # the bounced ranges sit at their own place in it
-    iov: list[np.ndarray] = []
-    pos = off
-    for lo, arr in pieces:
-        a = _round_up(lo, C.ALIGN)
-        b = (lo + arr.nbytes) // C.ALIGN * C.ALIGN
-        if b - a < MIN_DIRECT:
-            continue
-        if a > pos:
-            _fill(buf, off, pos, a, pieces)
-            iov.append(buf[pos - off : a - off])
-        iov.append(arr[a - lo : b - lo])  # address = file offset (mod 4096): straight
-        pos = b
-    if off + n > pos:
-        _fill(buf, off, pos, off + n, pieces)
-        iov.append(buf[pos - off : n])
+    buf = _scratch.get(WINDOW)
+    views = direct_segments(off, n, pieces, lambda k: buf[:k])
     done = 0
-    for i in range(0, len(iov), IOV_MAX):
-        done += os.pwritev(fd, iov[i : i + IOV_MAX], off + done)  # type: ignore[arg-type]
+    for i in range(0, len(views), IOV_MAX):
+        done += os.pwritev(fd, views[i : i + IOV_MAX], off + done)  # type: ignore[arg-type]
     if done != n:
         raise OSError(f"short write at {off}: {done} of {n}")
+
+
+def _transparent_hugepages() -> str:
+    """The kernel's THP mode: with "always" torch's tensors sit in huge pages, and a write
+    straight from them goes in requests as large as from the bounce buffer."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     Method = tuple[Callable[[int, Window], None], list[Window], int]
     methods: dict[str, Method] = {
-        "bounce (packed, today)": (write_bounce, windows(src, packed, packed_size), packed_size),
+        "bounce (packed, all copied)": (write_bounce, windows(src, packed, packed_size), packed_size),
+        "packed, ckptd's writer": (write_segments, windows(src, packed, packed_size), packed_size),
         "phased, straight from the tensors": (
-            write_phased,
+            write_segments,
             windows(src, phased, phased_size),
             phased_size,
         ),
@@ -221,13 +228,20 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, list[tuple[float, float]]] = {n: [] for n in methods}
         names = list(methods)
         for rep in range(args.reps):
-            for name in names[rep % 3 :] + names[: rep % 3]:  # rotated: no fixed neighbour
+            for name in (
+                names[rep % len(names) :] + names[: rep % len(names)]
+            ):  # rotated: no fixed neighbour
                 results[name].append(run(name))
     finally:
         C.remove(work)
 
+    thp = _transparent_hugepages()
     print(
-        f"\n{desc['tensors']} tensors, {nbytes / C.GB:.3f} GB, {args.mode} file, "
+        f"\ntransparent huge pages: {thp}; THP_MEM_ALLOC_ENABLE="
+        f"{os.environ.get('THP_MEM_ALLOC_ENABLE', '(unset)')}"
+    )
+    print(
+        f"{desc['tensors']} tensors, {nbytes / C.GB:.3f} GB, {args.mode} file, "
         f"{args.threads} threads x {WINDOW >> 20} MiB, {args.reps} reps interleaved; "
         f"the phased file is {phased_size - packed_size} bytes larger"
     )
@@ -243,7 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     out = C.write_results(
         "zero_copy_write",
-        {"args": vars(args), "machine": C.machine_info(work.parent), "state": desc, **table},
+        {
+            "args": vars(args),
+            "machine": C.machine_info(work.parent),
+            "transparent_hugepages": thp,
+            "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+            "state": desc,
+            **table,
+        },
     )
     print(f"\nresults: {out}")
     return 0
