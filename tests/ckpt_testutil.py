@@ -283,3 +283,22 @@ class DelegatingStorage(Storage):
 
     def abort_upload(self, upload: PendingUpload) -> None:
         self.inner.abort_upload(upload)
+
+
+class FaultyOs:
+    """`os` for ckptd.storage.local with some calls replaced; the rest is the real module."""
+
+    def __init__(self, **calls: Callable[..., Any]):
+        self.__dict__.update(calls)
+        self.fd_path: dict[int, str] = {}
+        self.fd_open: dict[int, int] = {}  # fd -> which open() it came from (fds are reused)
+        self._opens = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def open(self, path: Any, flags: int, mode: int = 0o777, **kw: Any) -> int:
+        fd = os.open(path, flags, mode, **kw)
+        self._opens += 1
+        self.fd_path[fd], self.fd_open[fd] = os.fspath(path), self._opens
+        return fd

@@ -18,13 +18,13 @@ import asyncio
 import errno
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from ckpt_testutil import DelegatingStorage
+from ckpt_testutil import DelegatingStorage, FaultyOs
 from coordinator_fixtures import RankSim, new_core, run, started, step_files, wait_for
 from crash_harness import assert_loads
 from ranks.plain_rank import make_state
@@ -35,25 +35,6 @@ from ckptd.format import checkpoint as ckfmt
 from ckptd.storage import local, open_storage
 
 PATHS = ["client", "coordinator"]
-
-
-class FaultyOs:
-    """`os` for ckptd.storage.local with some calls replaced; the rest is the real module."""
-
-    def __init__(self, **calls: Callable[..., Any]):
-        self.__dict__.update(calls)
-        self.fd_path: dict[int, str] = {}
-        self.fd_open: dict[int, int] = {}  # fd -> which open() it came from (fds are reused)
-        self._opens = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    def open(self, path: Any, flags: int, mode: int = 0o777, **kw: Any) -> int:
-        fd = os.open(path, flags, mode, **kw)
-        self._opens += 1
-        self.fd_path[fd], self.fd_open[fd] = os.fspath(path), self._opens
-        return fd
 
 
 class Saver:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from ckpt_testutil import FaultyOs
 
 import ckpt
 from ckptd import knobs
@@ -96,16 +97,6 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.numpy().tobytes() == b.numpy().tobytes()
 
 
-class _Os:
-    """`os` for ckptd.storage.local with pwritev replaced; the rest is the real module."""
-
-    def __init__(self, pwritev: Any):
-        self.pwritev = pwritev
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-
 def page_aligned_state(seed: int) -> dict[str, Any]:
     """Tensors in page-aligned memory (straight) beside torch's own (bounced)."""
     g = torch.Generator().manual_seed(seed)
@@ -130,7 +121,7 @@ def test_a_save_of_page_aligned_tensors_writes_them_straight_and_loads_back(
         return os.pwritev(fd, views, offset)
 
     with knobs.override(direct_io=True):
-        monkeypatch.setattr(local, "os", _Os(pwritev))
+        monkeypatch.setattr(local, "os", FaultyOs(pwritev=pwritev))
         ckpt.save(state, job, step=1)
         monkeypatch.setattr(local, "os", os)
     assert vectors and max(vectors) > 1, "no window mixed straight and bounced memory"
@@ -157,7 +148,7 @@ def test_a_short_write_part_way_through_the_segments_goes_on(
         return os.pwritev(fd, [first], offset)
 
     with knobs.override(direct_io=True):
-        monkeypatch.setattr(local, "os", _Os(pwritev))
+        monkeypatch.setattr(local, "os", FaultyOs(pwritev=pwritev))
         ckpt.save(state, job, step=1)
         monkeypatch.setattr(local, "os", os)
     assert short > 100, short

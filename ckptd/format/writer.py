@@ -7,8 +7,8 @@ writes them from a small thread pool, each window one pwrite: straight from a st
 image (which holds every entry the rank has, replicas others write included) where a
 window lies in one run of the image, else gathered (O_DIRECT: the whole pages of pieces
 whose memory is page-aligned straight from it, the rest through a bounce buffer, in one
-pwritev; buffered: one pwritev from the pieces' memory). Hash tasks for the same bytes are interleaved
-with the writes in the same pool: blake3 and the I/O calls both release the GIL, so the
+pwritev; buffered: one pwritev from the pieces' memory). Hash tasks for the same bytes
+are interleaved with the writes in the same pool: blake3 and the I/O calls both release the GIL, so the
 disk and the cores are busy at once. Only after the data is durable is the index written,
 and only after verification does the caller get a ShardInfo it may commit.
 

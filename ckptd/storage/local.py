@@ -4,9 +4,10 @@ Writes are positional (pwrite/pwritev) from a thread pool owned by the caller, s
 windows are in flight at once. With O_DIRECT each thread copies its window into a
 page-aligned bounce buffer of its own (a memcpy, ~20 GB/s, with the GIL released) and
 writes that, except the whole pages of any piece whose memory is aligned like its file
-offset, which go straight from that memory in the same pwritev (direct_segments); where the filesystem refuses O_DIRECT (tmpfs, some FUSE mounts) the handle
-falls back to buffered writes, and then starts write-back of every window at once
-(sync_file_range) so the final fsync has little left to do.
+offset, which go straight from that memory in the same pwritev (direct_segments); where
+the filesystem refuses O_DIRECT (tmpfs, some FUSE mounts) the handle falls back to
+buffered writes, and then starts write-back of every window at once (sync_file_range) so
+the final fsync has little left to do.
 
 Confinement: every path is validated as relative and safe, and must resolve (realpath)
 inside the root; the final component is opened with O_NOFOLLOW and must be a regular
@@ -250,16 +251,6 @@ def direct_segments(
     return out
 
 
-def _skip_arrays(views: list[np.ndarray], n: int) -> list[np.ndarray]:
-    """What is left of `views` after the first n bytes were written."""
-    while views and n >= views[0].nbytes:
-        n -= views[0].nbytes
-        views = views[1:]
-    if n:
-        views = [views[0][n:], *views[1:]]
-    return views
-
-
 class LocalWriteHandle(WriteHandle):
     def __init__(
         self,
@@ -323,14 +314,16 @@ class LocalWriteHandle(WriteHandle):
 
     def _write_direct(self, offset: int, length: int, pieces: Sequence[Piece]) -> None:
         n = _round_up(length)
-        views: list[np.ndarray] = direct_segments(offset, n, pieces, _bounce.get)
+        views: list[memoryview | bytes] = [
+            s.data for s in direct_segments(offset, n, pieces, _bounce.get)
+        ]
         done = 0
         while done < n:
             try:
                 if len(views) == 1:
-                    w = os.pwrite(self._fd, views[0], offset + done)  # type: ignore[arg-type]
+                    w = os.pwrite(self._fd, views[0], offset + done)
                 else:
-                    w = os.pwritev(self._fd, views[:_IOV_PER_CALL], offset + done)  # type: ignore[arg-type]
+                    w = os.pwritev(self._fd, views[:_IOV_PER_CALL], offset + done)
                 counters.wrote(max(w, 0))
             except OSError as e:
                 # Some filesystems accept O_DIRECT at open and refuse it at write.
@@ -345,7 +338,7 @@ class LocalWriteHandle(WriteHandle):
             if w <= 0 or (done + w < n and (done + w) % ALIGN):
                 raise OSError(errno.EIO, f"short write: {done + max(w, 0)} of {n} bytes")
             done += w
-            views = _skip_arrays(views, w)
+            views = _skip(views, w)
 
     def _reopen_buffered(self) -> None:
         with self._lock:
@@ -399,6 +392,7 @@ class LocalWriteHandle(WriteHandle):
 
 
 def _skip(views: list[memoryview | bytes], n: int) -> list[memoryview | bytes]:
+    """What is left of `views` after their first n bytes were written."""
     out: list[memoryview | bytes] = []
     for v in views:
         if n >= len(v):
