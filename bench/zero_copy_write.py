@@ -179,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     Method = tuple[Callable[[int, Window], None], list[Window], int]
     methods: dict[str, Method] = {
-        "bounce (packed, all copied)": (write_bounce, windows(src, packed, packed_size), packed_size),
+        "bounce (packed, all copied)": (
+            write_bounce,
+            windows(src, packed, packed_size),
+            packed_size,
+        ),
         "packed, ckptd's writer": (write_segments, windows(src, packed, packed_size), packed_size),
         "phased, straight from the tensors": (
             write_segments,
