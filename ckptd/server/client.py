@@ -22,6 +22,13 @@ next address, and only after every address was tried does the client back off; t
 address that answered is kept for the calls after it. So does a call whose deadline
 passed (a frozen leader, or one whose host vanished, answers nothing; every call of the
 protocol may be sent again). The retry window is the same.
+
+A call cut off by the coordinator's side with CANCELLED is one it did not answer either:
+a server that stops cancels the calls in flight on it (a standby handing its address to
+the leader it became, a coordinator restarting), and gRPC reports a connection that ends
+mid-call as CANCELLED or UNAVAILABLE depending on when. This client never cancels a call
+it still waits for, except by `close`, so a CANCELLED it did not cause is retried as
+UNAVAILABLE is. Which failures are sent again is decided in one place, `sends_again`.
 """
 
 from __future__ import annotations
@@ -47,7 +54,16 @@ from ckptd.v1 import coordinator_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 PLAN_PART_CHUNKS = 10_000  # ~1-1.5 MiB per BeginSave part, well under the 4 MiB default
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# The statuses of a call the coordinator did not answer (see the module docstring): down,
+# restarting, standing by or the network dropped (UNAVAILABLE); stopping, or a connection
+# that ended mid-call (CANCELLED that this client did not cause); frozen or vanished
+# (DEADLINE_EXCEEDED). The client's `sends_again` decides which it retries, the node
+# session hands them to it.
+UNANSWERED = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
 REPORT_DEADLINE_S = 120.0  # a report's checks are the coordinator's own I/O, never a wait
 AWAIT_COMMIT_S = 600.0  # an AwaitCommit that names no timeout waits this long
 
@@ -132,6 +148,7 @@ class CoordinatorClient:
         self.retry_for_s = retry_for_s
         self.connect_retry_s = connect_retry_s
         self.reached = False  # has the coordinator ever answered this client?
+        self.closed = False  # close() was called: its channels cancel the calls in flight
         self.lease_s: float | None = None  # the lease it granted, once a save began
         # Per (job, rank): the layout digest of the last plan the coordinator accepted,
         # so an unchanged layout is sent as a cached plan (ckptd.coordinator.layouts).
@@ -164,6 +181,7 @@ class CoordinatorClient:
         )
 
     def close(self) -> None:
+        self.closed = True
         for c in self._channels:
             c.close()
 
@@ -184,6 +202,26 @@ class CoordinatorClient:
         for b in answers:
             if b.lease_ms > 0:
                 self.lease_s = b.lease_ms / 1000
+
+    def unanswered(self, code: grpc.StatusCode) -> bool:
+        """Whether a call that failed with `code` went unanswered (UNANSWERED): not an error
+        the coordinator answered, nor a call this client cancelled itself (CANCELLED after
+        close(), whose channels cancel the calls in flight)."""
+        return code in UNANSWERED and not (code == grpc.StatusCode.CANCELLED and self.closed)
+
+    def sends_again(self, code: grpc.StatusCode) -> bool:
+        """Whether a call that failed with `code` is sent again (to the next address, or
+        after a backoff, within the retry window): the one rule of this client.
+
+        Every call of the protocol may be sent again: the coordinator answers a repeated
+        call as it did the first (a report it holds, a save that ended: Coordinator._find,
+        from the catalog after a restart or a takeover). So an unanswered call is sent
+        again, except one whose deadline passed when there is one address: that
+        coordinator is frozen or gone, and asking it again would wait as long again.
+        """
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and len(self.addresses) == 1:
+            return False
+        return self.unanswered(code)
 
     def current_stub(self) -> pb_grpc.CoordinatorStub:
         return self._stubs[self._current]
@@ -211,14 +249,10 @@ class CoordinatorClient:
                     details = f"{self.current_address}: {details}"
                 # The window opens at the first failure: a barrier wait of minutes that the
                 # coordinator's death cut short gets the whole window to find it again.
-                # Given several addresses, a call whose deadline passed goes to the next one
-                # too: a leader that froze (or whose host vanished) answers nothing, and
-                # every call of the protocol may be sent again (as after UNAVAILABLE).
-                several = len(self.addresses) > 1
-                if code in RETRYABLE or (several and code == grpc.StatusCode.DEADLINE_EXCEEDED):
+                if self.sends_again(code):
                     if give_up is None:
                         give_up = time.monotonic() + self.retry_window_s()
-                    if several:
+                    if len(self.addresses) > 1:
                         self._current = (self._current + 1) % len(self.addresses)
                         if untried > 0:
                             untried -= 1
@@ -228,7 +262,7 @@ class CoordinatorClient:
                         time.sleep(delay * (0.5 + random.random()))  # noqa: S311 - jitter
                         delay = min(delay * 2, 2.0)
                         continue
-                if code in RETRYABLE or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                if self.unanswered(code):
                     raise self.unavailable(what, f"{code.name}: {details}") from None
                 self.reached = True  # it answered, with an error of its own
                 trailers = e.trailing_metadata() if isinstance(e, grpc.Call) else None

@@ -34,6 +34,7 @@ from ckptd.server import errors
 from ckptd.server.client import (
     AWAIT_COMMIT_S,
     REPORT_DEADLINE_S,
+    UNANSWERED,
     barrier_deadline_s,
     named_once,
     what_node,
@@ -55,9 +56,6 @@ ANSWER_OF = {
     "report_shards": "statuses",
     "await_commit": "status",
 }
-# Answers that send the call to the unary path: it retries these for its retry window and
-# moves to the next coordinator address (a standby answers UNAVAILABLE).
-FALL_BACK = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 Handler = Callable[[Any], Awaitable[Any]]
 
@@ -279,7 +277,9 @@ class SessionUpstream:
         if got is None or got.WhichOneof("answer") != "error":
             return got
         code, failed = error_from_pb(got.error, what, self.where)
-        if code in FALL_BACK:  # a standby, say: reopen later, where the unary path went
+        # A standby, say: the unary path decides whether to send it again (and to which
+        # address: CoordinatorClient.sends_again); the stream reopens later, where it went.
+        if code in UNANSWERED:
             self._broken(call, f"{code.name}: {got.error.details}")
             return None
         raise failed
