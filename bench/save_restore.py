@@ -888,9 +888,19 @@ def ratios(
         ("  ceiling: write + read-back floor / DCP save", write_read, dcp_save, None),
         ("  ceiling: (blake3 2 thr / 2) / DCP save", blake2 / 2, dcp_save, None),
         ("ckpt save(full) / write new file + read it back", full, write_read, 0.9),
-        ("  its CPU: cores / its CPU seconds, over the same floor", cpu_full, write_read, None),
+        (
+            "  its CPU: cores / save(full)'s CPU seconds, over the same floor",
+            cpu_full,
+            write_read,
+            None,
+        ),
         ("ckpt save(size, recycled) / overwrite of that pool file", rec, pool_write, 0.8),
-        ("  its CPU: cores / its CPU seconds, over the same floor", cpu_rec, pool_write, None),
+        (
+            "  its CPU: cores / the recycled save's CPU seconds, over the same floor",
+            cpu_rec,
+            pool_write,
+            None,
+        ),
         (
             "ckptctl verify full / min(cold read of its shard files, blake3 2 thr)",
             ver,
