@@ -829,15 +829,15 @@ def ratios(
     min(cold read of those files, blake3 on 2 threads); verify="full" writes a new file and
     reads it back; a recycled save overwrites the pool file the floor overwrote moments
     before. The ceiling rows say what the targets against DCP can be here: for the load,
-    its floor over DCP's load (under 2.0: no verified load reaches 2.0x DCP's here); for
-    save(full), the write-and-read-back floor over DCP's save, and the cores' blake3 rate
-    halved (the save hashes each byte as it writes it and again as it reads it back) over
-    DCP's save; a ceiling under 1.2 means no save(full) reaches 1.2 on this machine. The "its CPU" rows
-    (cpu_bound_gbps) say whether a save is held back by the cores: under its target, the
-    save cannot reach it with the CPU work it does now, however its I/O is scheduled. The older "best
-    raw" rows (raw.bin, written moments before the read and maybe served by a cache below
-    the VM) are kept as info. The stall row is later / first (a first stall at most 1.5x a
-    later one is a ratio of at least 0.67).
+    its floor over DCP's load (a ceiling under 2.0 means no verified load reaches 2.0x DCP's
+    on this machine); for save(full), the write-and-read-back floor over DCP's save, and
+    the cores' blake3 rate halved (the save hashes each byte as it writes it and again as it
+    reads it back) over DCP's save (a ceiling under 1.2: no save(full) reaches 1.2). The
+    "its CPU" rows (cpu_bound_gbps) say whether a save is held back by the cores: under its
+    target, the save cannot reach it with the CPU work it does now, however its I/O is
+    scheduled. The older "best raw" rows (raw.bin, written moments before the read and
+    maybe served by a cache below the VM) are kept as info. The stall row is later / first
+    (a first stall at most 1.5x a later one is a ratio of at least 0.67).
     """
     nan = float("nan")
 
