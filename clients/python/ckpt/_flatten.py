@@ -264,46 +264,59 @@ class _Flattener:
             raise UnsupportedValue(
                 f"state key {where!r}: {t.layout} tensors are not supported; convert with .to_dense()"
             )
-        if t.is_quantized or t.is_nested or t.device.type == "meta":
+        # Each attribute of a tensor is a call into torch (t.device builds a new object):
+        # read once, since a state has thousands of tensors and this runs in the stall.
+        device, dtype = t.device, t.dtype
+        if t.is_quantized or t.is_nested or device.type == "meta":
             raise UnsupportedValue(
                 f"state key {where!r}: quantized, nested and meta tensors are not supported; "
                 "dequantize / materialize it first"
             )
-        name = dtypes.name_of(t.dtype)
+        name = dtypes.name_of(dtype)
         if name is None:
             raise UnsupportedValue(
-                f"state key {where!r}: dtype {t.dtype} is not supported; supported: "
+                f"state key {where!r}: dtype {dtype} is not supported; supported: "
                 f"{', '.join(dtypes.SUPPORTED)}"
             )
         # The storage is identified before a copy to the CPU, which would give each key a
         # storage of its own (a device tensor under two keys would be stored twice).
         sig: tuple[Any, ...] | None = None
-        placed: tuple[tuple[Any, ...], _Placed] | None = None  # (storage, place; key unset)
-        if t.numel():
-            storage = (t.device, t.untyped_storage().data_ptr())
+        storage: tuple[Any, ...] | None = None  # set when the leaf may share its storage
+        numel = t.numel()
+        shape, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+        conj, neg, contiguous = t.is_conj(), t.is_neg(), t.is_contiguous()
+        if numel:
             # The conj/neg bits are part of the value: z.conj() is not z.
-            sig = (*storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-            sig += (t.is_conj(), t.is_neg())
+            sig = (device, t.untyped_storage().data_ptr(), offset, shape, stride, dtype)
+            sig += (conj, neg)
             if sig in self.by_storage:
                 return self.by_storage[sig]
             # conj/neg views store resolved values, not their storage's bytes; a view
             # whose elements share memory (expand()) cannot be written back element-wise
+            # (a contiguous tensor's elements never do)
             if not (
                 local
-                or t.is_conj()
-                or t.is_neg()
-                or values.self_overlaps(list(t.shape), list(t.stride()))
+                or conj
+                or neg
+                or (not contiguous and values.self_overlaps(list(shape), list(stride)))
             ):
-                placed = storage, _place(t)
+                storage = sig[:2]
         # Only CUDA tensors are left for the stager (its side streams are CUDA streams).
-        on_device = self.keep_device and t.device.type == "cuda"
-        if t.device.type != "cpu" and not on_device:
+        on_device = self.keep_device and device.type == "cuda"
+        if device.type != "cpu" and not on_device:
             t = t.detach().to("cpu")
         key = self.unique_key(path)
         if sig is not None:
             self.by_storage[sig] = key
-        if placed is not None:
-            self.storages.setdefault(placed[0], []).append(dataclasses.replace(placed[1], key=key))
+        if storage is not None:
+            item = t.element_size()
+            first, end = (
+                (offset, offset + numel)
+                if contiguous
+                else values.view_range(offset, list(shape), list(stride))
+            )
+            placed = _Placed(key, first * item, end * item, numel * item, offset, item, stride)
+            self.storages.setdefault(storage, []).append(placed)
         if on_device:
             # The stager copies it device-to-host into pinned memory; no host copy here.
             # conj/neg bits are resolved on the device first: a non_blocking D2H copy_ of
@@ -314,7 +327,7 @@ class _Flattener:
             leaf.nbytes = src.numel() * src.element_size()
             self.leaves.append(leaf)
         else:
-            self.leaves.append(Leaf(key, "tensor", name, list(t.shape), tensor_bytes(t), t))
+            self.leaves.append(Leaf(key, "tensor", name, list(shape), tensor_bytes(t), t))
         return key
 
     def dtensor(self, t: Any, path: list[str], where: str) -> str:
@@ -374,14 +387,6 @@ class _Flattener:
                         node["tensor"] = {"key": body, "view": view}
                     else:
                         body["view"] = view
-
-
-def _place(t: torch.Tensor) -> _Placed:
-    """Where `t` sits in its storage (the key is set once the leaf has one)."""
-    item = t.element_size()
-    offset = int(t.storage_offset())
-    first, end = values.view_range(offset, list(t.shape), list(t.stride()))
-    return _Placed("", first * item, end * item, t.numel() * item, offset, item, t.stride())
 
 
 def flatten(state: Any, rank: int = 0, *, keep_device: bool = False) -> tuple[Any, list[Leaf]]:
