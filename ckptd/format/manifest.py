@@ -42,6 +42,7 @@ BORROWING_VERSION = 3
 BLOCK_BORROWING_VERSION = 4
 READ_VERSIONS = (1, 2, 3, 4)
 MAX_DIMS = values.MAX_DIMS  # one limit for entries' shapes and views' strides
+_DIM_LIMIT = 1 << 62
 MAX_KEY_LEN = 4096
 MAX_ELEMENTS = 1 << 62
 
@@ -89,6 +90,8 @@ class IndexEntry:
     @property
     def lenders(self) -> list[int]:
         """The steps whose files hold any of this entry's bytes, besides its own (ascending)."""
+        if not self.borrowed_blocks and not self.file.startswith("../"):
+            return []  # the common case, asked once per entry of every index written or read
         files = (self.file, *(r.file for r in self.borrowed_blocks))
         return sorted({lent[0] for f in files if (lent := layout.split_borrowed(f)) is not None})
 
@@ -278,10 +281,12 @@ def _nonneg(doc: dict[str, Any], name: str, what: str, upper: int = 1 << 63) -> 
 
 
 def _int_list(v: Any, name: str, what: str) -> list[int]:
-    if not isinstance(v, list) or len(v) > MAX_DIMS:
+    # Exact types: a JSON number without a fraction is an int, never a bool (one per
+    # dimension of every entry of an index, so the cheapest test that is exact).
+    if type(v) is not list or len(v) > MAX_DIMS:
         raise InvalidManifest(f"{what}: {name} must be a list of at most {MAX_DIMS} integers")
     for x in v:
-        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < (1 << 62):
+        if type(x) is not int or not 0 <= x < _DIM_LIMIT:
             raise InvalidManifest(f"{what}: {name} has an invalid dimension {x!r}")
     return list(v)
 
@@ -638,13 +643,15 @@ def _parse_entry(
     if offset % align:
         raise InvalidManifest(f"{ew}: offset {offset} is not {align}-byte aligned")
     file = e.get("file", shard.path)
-    lent = layout.split_borrowed(file) if isinstance(file, str) else None
-    if lent is not None:
-        _check_lender_file(file, step, ew)
-    else:
-        file = check_relative(file, what=f"{ew} file")
-        if file != shard.path:
+    lent = None
+    # The shard's own path, which its manifest entry (or the coordinator's assignment)
+    # has already confined, is the common case: no pattern to match per entry.
+    if file != shard.path:
+        lent = layout.split_borrowed(file) if isinstance(file, str) else None
+        if lent is None:
+            check_relative(file, what=f"{ew} file")
             raise InvalidManifest(f"{ew}: file {file!r} is not this index's shard {shard.path!r}")
+        _check_lender_file(file, step, ew)
     digests = e.get("blake3")
     if not isinstance(digests, list) or len(digests) != hashing.n_blocks(length, block):
         raise InvalidManifest(f"{ew}: expected {hashing.n_blocks(length, block)} block hashes")

@@ -53,6 +53,7 @@ _BYTE = (
 )
 COVERED = frozenset((*_WIDE, *_HALF, *_BYTE))
 FIELDS = ("nan", "inf", "sumsq", "max_abs")
+_FIELD_SET = frozenset(FIELDS)
 
 
 def covered(dtype: str) -> bool:
@@ -240,7 +241,7 @@ def parse(doc: Any, *, dtype: str, numel: int, what: str) -> TensorStats | None:
         return None
     if not covered(dtype):
         raise InvalidManifest(f"{what}: has stats but its dtype {dtype} has none")
-    if not isinstance(doc, dict) or sorted(doc) != sorted(FIELDS):
+    if not isinstance(doc, dict) or doc.keys() != _FIELD_SET:
         got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
         raise InvalidManifest(
             f"{what}: field 'stats' must be an object of exactly {', '.join(FIELDS)}, "
