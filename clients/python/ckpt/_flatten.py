@@ -283,7 +283,7 @@ class _Flattener:
         sig: tuple[Any, ...] | None = None
         storage: tuple[Any, ...] | None = None  # set when the leaf may share its storage
         numel = t.numel()
-        shape, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+        shape, stride, offset = tuple(t.shape), t.stride(), int(t.storage_offset())
         conj, neg, contiguous = t.is_conj(), t.is_neg(), t.is_contiguous()
         if numel:
             # The conj/neg bits are part of the value: z.conj() is not z.
