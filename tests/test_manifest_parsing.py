@@ -547,6 +547,38 @@ def test_index_blake3_must_be_lowercase_hex(saved, job, digest):
         parse_manifest(json.dumps(doc).encode())
 
 
+def test_a_state_tree_checked_once_per_manifest_bytes(saved, job, monkeypatch):
+    """The tree's check is remembered by the manifest bytes' blake3 (a listing parses every
+    kept step's manifest): the same bytes are not checked again, and any other bytes are,
+    so an altered tree is refused after the intact one passed."""
+    from ckptd.format import manifest as mf
+    from ckptd.format import values
+
+    calls = []
+    check = values.check_node
+    # Whole trees only (the check recurses through the module's name with a depth).
+    monkeypatch.setattr(
+        values, "check_node", lambda *a: (calls.append(1) if len(a) == 1 else None) or check(*a)
+    )
+    data = read_raw(manifest_path(job, 1))
+    doc = json.loads(data)
+    doc["job"] = doc["job"] + "-tree-check"  # bytes of our own, checked by no earlier test
+    intact = json.dumps(doc).encode()
+    assert parse_manifest(intact).state == parse_manifest(intact).state
+    assert len(calls) == 1
+    doc["state"]["dict"].append(["bad", {"unknown_tag": 1}])
+    with bad_input():
+        with pytest.raises(ckpt.InvalidManifest, match="unknown tag"):
+            parse_manifest(json.dumps(doc).encode())
+    assert len(calls) == 2
+    # Bounded: the oldest verdict goes first.
+    monkeypatch.setattr(mf, "_CHECKED_MAX", 1)
+    doc["state"]["dict"].pop()
+    parse_manifest(json.dumps({**doc, "job": "another"}).encode())
+    parse_manifest(intact)
+    assert len(calls) == 4 and len(mf._CHECKED_STATES) == 1
+
+
 # ----------------------------------------------------------------------------- not followed
 
 
