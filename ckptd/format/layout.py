@@ -64,6 +64,8 @@ def borrowed_file(step: int, file: str) -> str:
 def split_borrowed(file: str) -> tuple[int, str] | None:
     """(step, path inside that step) of a borrowed entry's file; None for a file of the
     entry's own step. The path is the caller's to confine (check_relative)."""
+    if not file.startswith("../"):  # an own file, nearly every entry: no pattern to run
+        return None
     m = _BORROWED_RE.match(file)
     return (int(m.group(1)), m.group(2)) if m else None
 

@@ -44,7 +44,6 @@ BORROWING_VERSION = 3
 BLOCK_BORROWING_VERSION = 4
 READ_VERSIONS = (1, 2, 3, 4)
 MAX_DIMS = values.MAX_DIMS  # one limit for entries' shapes and views' strides
-_DIM_LIMIT = 1 << 62
 MAX_KEY_LEN = 4096
 MAX_ELEMENTS = 1 << 62
 
@@ -92,8 +91,9 @@ class IndexEntry:
     @property
     def lenders(self) -> list[int]:
         """The steps whose files hold any of this entry's bytes, besides its own (ascending)."""
-        if not self.borrowed_blocks and not self.file.startswith("../"):
-            return []  # the common case, asked once per entry of every index written or read
+        if not self.borrowed_blocks:  # one file: asked per entry of every index written or read
+            lent = layout.split_borrowed(self.file)
+            return [] if lent is None else [lent[0]]
         files = (self.file, *(r.file for r in self.borrowed_blocks))
         return sorted({lent[0] for f in files if (lent := layout.split_borrowed(f)) is not None})
 
@@ -288,7 +288,7 @@ def _int_list(v: Any, name: str, what: str) -> list[int]:
     if type(v) is not list or len(v) > MAX_DIMS:
         raise InvalidManifest(f"{what}: {name} must be a list of at most {MAX_DIMS} integers")
     for x in v:
-        if type(x) is not int or not 0 <= x < _DIM_LIMIT:
+        if type(x) is not int or not 0 <= x < MAX_ELEMENTS:
             raise InvalidManifest(f"{what}: {name} has an invalid dimension {x!r}")
     return list(v)
 
