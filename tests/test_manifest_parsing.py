@@ -572,11 +572,59 @@ def test_a_state_tree_checked_once_per_manifest_bytes(saved, job, monkeypatch):
             parse_manifest(json.dumps(doc).encode())
     assert len(calls) == 2
     # Bounded: the oldest verdict goes first.
-    monkeypatch.setattr(mf, "_CHECKED_MAX", 1)
+    monkeypatch.setattr(mf._CHECKED_STATES, "limit", 1)
     doc["state"]["dict"].pop()
     parse_manifest(json.dumps({**doc, "job": "another"}).encode())
     parse_manifest(intact)
     assert len(calls) == 4 and len(mf._CHECKED_STATES) == 1
+
+
+def test_the_live_line_reads_each_manifest_and_parses_new_bytes_only(saved, job, monkeypatch):
+    """The head's lookup (a save without a parent, a load without a step) parses a step's
+    manifest once per distinct bytes (read_lineage); the bytes are read every time, so a
+    manifest damaged, replaced or copied into another step since is seen at once."""
+    ckpt.save(make_state(), job, step=2)
+    storage = open_storage(job)
+    parsed = []
+    parse = ckfmt.parse_manifest
+    monkeypatch.setattr(ckfmt, "parse_manifest", lambda *a, **k: parsed.append(1) or parse(*a, **k))
+    assert ckfmt.latest_step(storage) == 2
+    first = len(parsed)
+    assert first <= 2  # none when an earlier listing in this process saw the same bytes
+    assert ckfmt.latest_step(storage) == 2 and ckfmt.latest_step(storage) == 2
+    assert len(parsed) == first
+    # New bytes are parsed in full: a step 2 that no longer parses is no head.
+    doc = read_json(manifest_path(job, 2))
+    good = read_raw(manifest_path(job, 2))
+    write_bytes(manifest_path(job, 2), json.dumps({**doc, "block_size": 3}).encode())
+    with bad_input():
+        steps = ckfmt.list_steps(storage, manifests=False)
+        assert [s.status for s in steps] == [ckfmt.COMMITTED, ckfmt.INVALID]
+        assert "block_size" in (steps[1].error or "") and "step-000000000002" in steps[1].error
+        assert ckfmt.latest_step(storage) == 1
+    assert len(parsed) == first + 2
+    # Bytes already parsed, in another step's directory, are still refused there.
+    write_bytes(manifest_path(job, 2), read_raw(manifest_path(job, 1)))
+    with bad_input():
+        steps = ckfmt.list_steps(storage, manifests=False)
+        assert steps[1].status == ckfmt.INVALID and "another step" in (steps[1].error or "")
+    write_bytes(manifest_path(job, 2), good)
+    assert ckfmt.latest_step(storage) == 2
+    assert len(parsed) == first + 2
+    # The listing without manifests says what the full one says of each step's line.
+    full = ckfmt.list_steps(storage)
+    assert [s.line for s in full] == [s.line for s in ckfmt.list_steps(storage, manifests=False)]
+    assert full[1].line == ckfmt.LineStep(2, 1, full[1].manifest.created_unix, ())
+
+
+def test_digest_memo_is_bounded_least_recently_used_first():
+    memo: hashing.DigestMemo[int] = hashing.DigestMemo(2)
+    a, b, c = (hashing.digest(x) for x in (b"a", b"b", b"c"))
+    memo.put(a, 1)
+    memo.put(b, 2)
+    assert memo.get(a) == 1  # a is now the most recently used
+    memo.put(c, 3)
+    assert (memo.get(a), memo.get(b), memo.get(c), len(memo)) == (1, None, 3, 2)
 
 
 # ----------------------------------------------------------------------------- not followed

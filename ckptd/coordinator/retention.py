@@ -76,11 +76,22 @@ class RetentionPlan:
         return tuple(sorted(self.retire + self.debris))
 
 
+def live_line(steps: Iterable[StepState]) -> list[int]:
+    """The job's live line, head first (`ckfmt.live_line`) over the committed and
+    quarantined steps; an unfinished or unreadable step is a gap in it, not its end."""
+    steps = list(steps)
+    return ckfmt.live_line(
+        (s for s in steps if s.status in (COMMITTED, QUARANTINED)),
+        gaps={s.step for s in steps if s.status in (UNFINISHED, UNREADABLE)},
+    )
+
+
 def plan(steps: Iterable[StepState], keep_last: int, keep: Collection[int] = ()) -> RetentionPlan:
     """The rule: keep the newest `keep_last` committed steps of the live line, remove the
     line behind them.
 
-    - the live line is `ckfmt.live_line` over the committed and quarantined steps;
+    - the live line is `live_line`: `ckfmt.live_line` over the committed and quarantined
+      steps;
     - committed steps of the line behind its newest `keep_last` committed ones are retired;
     - a quarantined step of the line is retired once `keep_last` committed steps of the
       line are ahead of it;
@@ -95,10 +106,7 @@ def plan(steps: Iterable[StepState], keep_last: int, keep: Collection[int] = ())
         )
     steps = list(steps)
     status = {s.step: s.status for s in steps}
-    line = ckfmt.live_line(
-        (s for s in steps if s.status in (COMMITTED, QUARANTINED)),
-        gaps={s.step for s in steps if s.status in (UNFINISHED, UNREADABLE)},
-    )
+    line = live_line(steps)
     committed = [k for k in line if status[k] == COMMITTED]  # head first
     if not committed:
         return RetentionPlan()
@@ -141,9 +149,9 @@ def keep_borrowed(steps: Iterable[StepState], removing: Collection[int]) -> set[
 def from_storage(storage: Storage, in_flight: Collection[int] = ()) -> list[StepState]:
     """The steps of a job directory as storage alone tells them (no catalog)."""
     out = []
-    for info in ckfmt.list_steps(storage):
-        m = info.manifest
-        saved, parent = (m.created_unix, m.parent) if m is not None else (0.0, None)
+    for info in ckfmt.list_steps(storage, manifests=False):
+        line = info.line
+        saved, parent = (line.saved_unix, line.parent) if line is not None else (0.0, None)
         if info.step in in_flight:
             status = IN_FLIGHT
         elif info.status == ckfmt.COMMITTED:
@@ -154,7 +162,7 @@ def from_storage(storage: Storage, in_flight: Collection[int] = ()) -> list[Step
             status = UNFINISHED
         else:  # INVALID: a manifest this reader cannot parse may still be whole
             status = UNREADABLE
-        borrows = tuple(m.borrows) if m is not None else ()
+        borrows = line.borrows if line is not None else ()
         out.append(StepState(info.step, status, saved, parent, borrows))
     return out
 

@@ -61,12 +61,39 @@ QUARANTINE_NAME = "QUARANTINED.json"
 _MAX_MARKER_BYTES = 1 << 16
 
 
+class Lineage(Protocol):
+    """What the live line needs of a step: its number, its parent, when it was saved."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def parent(self) -> int | None: ...
+    @property
+    def saved_unix(self) -> float: ...
+    @property
+    def borrows(self) -> tuple[int, ...] | None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LineStep:
+    step: int
+    parent: int | None
+    saved_unix: float
+    borrows: tuple[int, ...] | None = ()  # the steps it borrows bytes from (ancestors)
+
+    @classmethod
+    def of(cls, m: Manifest) -> LineStep:
+        """A committed step's place on the job's line, from its manifest."""
+        return cls(m.step, m.parent, m.created_unix, tuple(m.borrows))
+
+
 @dataclasses.dataclass
 class StepInfo:
     step: int
     status: str
-    manifest: Manifest | None = None
+    manifest: Manifest | None = None  # list_steps(manifests=False) leaves it out
     error: str | None = None
+    line: LineStep | None = None  # whenever the manifest parsed: what the live line needs
 
 
 @dataclasses.dataclass
@@ -157,7 +184,10 @@ def _where(storage: Storage, step: int, name: str = "") -> str:
     return f"{base}/{name}" if name else base
 
 
-def list_steps(storage: Storage) -> list[StepInfo]:
+def list_steps(storage: Storage, *, manifests: bool = True) -> list[StepInfo]:
+    """Every step directory of the job, by step, with its status (and, unless
+    manifests=False, its parsed manifest: the live line needs only each step's `line`,
+    which read_lineage remembers)."""
     out = []
     for name in storage.listdir(""):
         step = layout.parse_step_dir(name)
@@ -174,16 +204,19 @@ def list_steps(storage: Storage) -> list[StepInfo]:
                 StepInfo(step, INCOMPLETE, error="no MANIFEST.json (the save never committed)")
             )
             continue
+        m: Manifest | None = None
         try:
-            m = read_manifest(storage, step)
+            if manifests:
+                m = read_manifest(storage, step)
+                line = LineStep.of(m)
+            else:
+                line = read_lineage(storage, step)
         except CkptError as e:
             out.append(StepInfo(step, INVALID, error=str(e)))
             continue
         reason = quarantine_reason(storage, step)
-        if reason is not None:
-            out.append(StepInfo(step, QUARANTINED, manifest=m, error=reason))
-        else:
-            out.append(StepInfo(step, COMMITTED, manifest=m))
+        status = COMMITTED if reason is None else QUARANTINED
+        out.append(StepInfo(step, status, manifest=m, error=reason, line=line))
     return sorted(out, key=lambda s: s.step)
 
 
@@ -228,18 +261,11 @@ def unquarantine(storage: Storage, step: int) -> bool:
     return True
 
 
-def read_manifest(storage: Storage, step: int, *, blake3: str | None = None) -> Manifest:
-    """The step's manifest, parsed and checked.
-
-    blake3: the manifest's digest as the coordinator's catalog recorded it at commit. The
-    manifest holds each index's digest and each index each block's, so this one digest
-    pins every byte of the step: a consistent rewrite of shards, indexes and manifest
-    together is still refused.
-    """
+def _manifest_bytes(storage: Storage, step: int) -> bytes:
     path = f"{layout.step_dir(step)}/{layout.MANIFEST_NAME}"
     limit = knobs.get().max_manifest_bytes
     try:
-        data = storage.read_bytes(path, limit=limit)
+        return storage.read_bytes(path, limit=limit)
     except ShardMissing:
         raise CheckpointNotFound(
             f"{_where(storage, step)} has no committed checkpoint (no {layout.MANIFEST_NAME})"
@@ -249,6 +275,25 @@ def read_manifest(storage: Storage, step: int, *, blake3: str | None = None) -> 
             f"{e}: a manifest over the {limit}-byte limit is not parsed (raise "
             "CKPT_MAX_MANIFEST_BYTES if it is genuine)"
         ) from None
+
+
+def _check_in_place(storage: Storage, step: int, says: int) -> None:
+    if says != step:
+        raise InvalidManifest(
+            f"{_where(storage, step, layout.MANIFEST_NAME)} says step {says}; "
+            "it was copied from another step directory"
+        )
+
+
+def read_manifest(storage: Storage, step: int, *, blake3: str | None = None) -> Manifest:
+    """The step's manifest, parsed and checked.
+
+    blake3: the manifest's digest as the coordinator's catalog recorded it at commit. The
+    manifest holds each index's digest and each index each block's, so this one digest
+    pins every byte of the step: a consistent rewrite of shards, indexes and manifest
+    together is still refused.
+    """
+    data = _manifest_bytes(storage, step)
     if blake3 is not None and hashing.digest(data) != blake3:
         raise CorruptCheckpoint(
             f"{_where(storage, step, layout.MANIFEST_NAME)}: blake3 {hashing.digest(data)[:16]} "
@@ -257,33 +302,29 @@ def read_manifest(storage: Storage, step: int, *, blake3: str | None = None) -> 
             "load an earlier step or restore it from a replica"
         )
     m = parse_manifest(data, what=_where(storage, step, layout.MANIFEST_NAME))
-    if m.step != step:
-        raise InvalidManifest(
-            f"{_where(storage, step, layout.MANIFEST_NAME)} says step {m.step}; "
-            "it was copied from another step directory"
-        )
+    _check_in_place(storage, step, m.step)
     return m
 
 
-class Lineage(Protocol):
-    """What the live line needs of a step: its number, its parent, when it was saved."""
-
-    @property
-    def step(self) -> int: ...
-    @property
-    def parent(self) -> int | None: ...
-    @property
-    def saved_unix(self) -> float: ...
-    @property
-    def borrows(self) -> tuple[int, ...] | None: ...
+# Each parsed manifest's place on the line, by the blake3 of its bytes. A save without a
+# step's parent, a load without a step and retention each find the live line's head from
+# every kept step's manifest, every time; the bytes are still read each time (a manifest
+# replaced or damaged since is seen), but parsed only when new (bench/README.md, issue 16
+# eleventh pass). LineStep is immutable, so a hit can be handed out as it is.
+_LINES: hashing.DigestMemo[LineStep] = hashing.DigestMemo(4096)
 
 
-@dataclasses.dataclass(frozen=True)
-class LineStep:
-    step: int
-    parent: int | None
-    saved_unix: float
-    borrows: tuple[int, ...] | None = ()  # the steps it borrows bytes from (ancestors)
+def read_lineage(storage: Storage, step: int) -> LineStep:
+    """The step's place on the job's line, from its manifest: the same parse and checks as
+    read_manifest the first time these bytes are seen."""
+    data = _manifest_bytes(storage, step)
+    digest = hashing.digest(data)
+    line = _LINES.get(digest)
+    if line is None:
+        line = LineStep.of(parse_manifest(data, what=_where(storage, step, layout.MANIFEST_NAME)))
+        _LINES.put(digest, line)
+    _check_in_place(storage, step, line.step)
+    return line
 
 
 def live_line(steps: Iterable[Lineage], gaps: Collection[int] = ()) -> list[int]:
@@ -332,11 +373,7 @@ def line_of(infos: Iterable[StepInfo]) -> list[int]:
     A quarantined step stays on the line (it is an ancestor); loads skip it."""
     infos = list(infos)
     return live_line(
-        (
-            LineStep(s.step, s.manifest.parent, s.manifest.created_unix, tuple(s.manifest.borrows))
-            for s in infos
-            if s.manifest is not None and s.status in (COMMITTED, QUARANTINED)
-        ),
+        (s.line for s in infos if s.line is not None and s.status in (COMMITTED, QUARANTINED)),
         gaps={s.step for s in infos if s.status in (INCOMPLETE, INVALID)},
     )
 
@@ -351,13 +388,13 @@ def head_of(infos: Iterable[StepInfo]) -> int | None:
 
 def latest_step(storage: Storage) -> int | None:
     """The head of the job's live line (what resume loads), or None (`head_of`)."""
-    return head_of(list_steps(storage))
+    return head_of(list_steps(storage, manifests=False))
 
 
 def resolve_step(storage: Storage, step: int | None) -> int:
     if step is not None:
         return layout.check_step(step)
-    steps = list_steps(storage)
+    steps = list_steps(storage, manifests=False)
     head = head_of(steps)
     if head is not None:
         return head
@@ -377,7 +414,7 @@ def resolve_step(storage: Storage, step: int | None) -> int:
 
 def committed_steps(storage: Storage) -> list[int]:
     """Committed, not quarantined steps, highest step first (on the live line or not)."""
-    return [s.step for s in reversed(list_steps(storage)) if s.status == COMMITTED]
+    return [s.step for s in reversed(list_steps(storage, manifests=False)) if s.status == COMMITTED]
 
 
 def open_checkpoint(

@@ -9,9 +9,13 @@ hash on every core.
 from __future__ import annotations
 
 import re
-from typing import Any
+import threading
+from collections import OrderedDict
+from typing import Any, Generic, TypeVar
 
 import blake3
+
+V = TypeVar("V")
 
 HASH_NAME = "blake3"
 HEX_LEN = 64
@@ -49,3 +53,34 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 def is_hex_digest(s: object) -> bool:
     """A lowercase 64-digit hex blake3 digest, exactly as hexdigest() writes it."""
     return isinstance(s, str) and _HEX.fullmatch(s) is not None
+
+
+class DigestMemo(Generic[V]):
+    """What was learned from some bytes (a verdict, a parse), remembered by their blake3.
+
+    For a value that is a function of the bytes alone, a hit is exactly what working it out
+    again would give, and any other bytes miss. Bounded (the least recently used goes
+    first, so a miss only costs the work again); safe to share between threads. Values
+    must be immutable: every hit hands out the same object."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._got: OrderedDict[str, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> V | None:
+        with self._lock:
+            got = self._got.get(key)
+            if got is not None:
+                self._got.move_to_end(key)
+            return got
+
+    def put(self, key: str, value: V) -> None:
+        with self._lock:
+            self._got[key] = value
+            self._got.move_to_end(key)
+            while len(self._got) > self.limit:
+                self._got.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._got)

@@ -15,9 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import threading
 import time
-from collections import OrderedDict
 from typing import Any
 
 from ckptd.errors import CkptError, InvalidManifest
@@ -321,24 +319,17 @@ def _check_block_size(doc: dict[str, Any], what: str) -> tuple[int, int]:
 # The manifests whose state tree passed values.check_node, by the blake3 of their bytes:
 # the verdict is a function of the bytes, and a save's or a load's search for the live
 # line's head parses every kept step's manifest each time (the tree's check is most of a
-# parse; bench/README.md, issue 16 tenth pass). Bounded; a miss only costs the check.
-_CHECKED_STATES: OrderedDict[str, None] = OrderedDict()
-_CHECKED_MAX = 4096
-_checked_lock = threading.Lock()
+# parse; bench/README.md, issue 16 tenth pass).
+_CHECKED_STATES: hashing.DigestMemo[bool] = hashing.DigestMemo(4096)
 
 
 def _check_state(data: bytes, state: Any) -> None:
     """values.check_node(state), skipped for manifest bytes whose tree already passed."""
     digest = hashing.digest(data)
-    with _checked_lock:
-        if digest in _CHECKED_STATES:
-            _CHECKED_STATES.move_to_end(digest)
-            return
+    if _CHECKED_STATES.get(digest):
+        return
     values.check_node(state)
-    with _checked_lock:
-        _CHECKED_STATES[digest] = None
-        while len(_CHECKED_STATES) > _CHECKED_MAX:
-            _CHECKED_STATES.popitem(last=False)
+    _CHECKED_STATES.put(digest, True)
 
 
 def parse_manifest(data: bytes, *, what: str = "MANIFEST.json") -> Manifest:

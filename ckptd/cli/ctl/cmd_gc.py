@@ -58,16 +58,7 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
             if s.status == ckfmt.QUARANTINED
         )
     if args.abandoned:
-        line = set(
-            ckfmt.live_line(
-                (s for s in states if s.status in (retention.COMMITTED, retention.QUARANTINED)),
-                gaps={
-                    s.step
-                    for s in states
-                    if s.status in (retention.UNFINISHED, retention.UNREADABLE)
-                },
-            )
-        )
+        line = set(retention.live_line(states))
         doomed.update(
             (s.step, "abandoned: off the live line (a rollback left it)")
             for s in states

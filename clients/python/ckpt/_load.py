@@ -87,7 +87,7 @@ def _listings(tiers: Sequence[Tier]) -> list[list[ckfmt.StepInfo]]:
     errors: list[tuple[str, Storage, Exception]] = []
     for name, st in tiers:
         try:
-            out.append(ckfmt.list_steps(st))
+            out.append(ckfmt.list_steps(st, manifests=False))
         except Exception as e:  # noqa: BLE001 - any store client error: that tier is out
             errors.append((name, st, e))
             out.append([])
@@ -148,8 +148,8 @@ def live_holders(tiers: Sequence[Tier]) -> _Line:
     held = {k: out[k] for k in line if k in out}
     key = {}
     for k in held:
-        m = best[k].manifest
-        key[k] = int(m.created_unix * 1e6) if m is not None else 0
+        got = best[k].line
+        key[k] = int(got.saved_unix * 1e6) if got is not None else 0
     return _Line(held, key)
 
 
