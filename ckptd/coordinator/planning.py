@@ -156,13 +156,15 @@ def assign(
     for (key, _, _), holders in groups.items():
         first = holders[0][2]
         by_key.setdefault(key, []).append(first)
+        if len(holders) == 1:  # not replicated (every chunk of one rank, most of FSDP's)
+            continue
         if any(
             h[2].dtype != first.dtype or h[2].shape != first.shape or h[2].length != first.length
             for h in holders
         ):
             desc = ", ".join(f"rank {r}: {c.dtype}{list(c.shape)}" for r, _, c in holders[:8])
             raise DivergentReplicas(f"key {key!r}: ranks disagree on dtype or shape ({desc})")
-        msg = _differ([(r, c) for r, _, c in holders]) if len(holders) > 1 else None
+        msg = _differ([(r, c) for r, _, c in holders])
         if msg is None:
             continue
         if allow_divergent:
