@@ -306,8 +306,8 @@ def read_manifest(storage: Storage, step: int, *, blake3: str | None = None) -> 
     return m
 
 
-# Each parsed manifest's place on the line, by the blake3 of its bytes. A save without a
-# step's parent, a load without a step and retention each find the live line's head from
+# Each parsed manifest's place on the line, by the blake3 of its bytes. A save that looks
+# up its parent, a load without a step and retention each find the live line's head from
 # every kept step's manifest, every time; the bytes are still read each time (a manifest
 # replaced or damaged since is seen), but parsed only when new (bench/README.md, issue 16
 # eleventh pass). LineStep is immutable, so a hit can be handed out as it is.
