@@ -27,6 +27,7 @@ from ckptd.coordinator.planning import ChunkPlan
 from ckptd.errors import (
     CoordinatorUnavailable,
     DivergentReplicas,
+    SaveAborted,
     SaveFailed,
     StaleGeneration,
     StorageError,
@@ -109,6 +110,55 @@ def test_a_full_disk_on_the_coordinator_is_a_storage_error_at_once(
             assert e.filename is not None and e.filename.endswith(marker), e.filename
         # The catalog still holds the step as committed; nothing was half-done.
         assert s.core.catalog.save("job", 1).status == "COMMITTED"
+    finally:
+        s.stop()
+
+
+class ExitingProcess(DelegatingStorage):
+    """Writing a quarantine marker fails as work handed to a thread pool does once the
+    interpreter has begun to exit (the embedded coordinator of a rank that is exiting)."""
+
+    def __init__(self, inner: Storage):
+        super().__init__(inner)
+        self.attempts = 0
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        if not path.endswith(ckfmt.QUARANTINE_NAME):
+            return self.inner.write_atomic(path, data)
+        self.attempts += 1
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+
+def test_a_coordinator_whose_process_is_exiting_says_so_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not an internal error with a traceback (a bug), and not retried as if the network
+    were down (the rank's exit would wait out the retry window): SaveAborted, saying why."""
+    root = tmp_path / "root"
+    stores: list[ExitingProcess] = []
+
+    def storage_factory(path: str) -> Storage:
+        stores.append(ExitingProcess(open_storage(path, create=True)))
+        return stores[-1]
+
+    s = ServerThread(root, options=ServerOptions(token=TOKEN), storage_factory=storage_factory)
+    try:
+        job = str(root / "job")
+        with ckpt.Checkpointer(job, coordinator=s.address, token=TOKEN, attempt="a") as cp:
+            finished(cp.save({"w": torch.ones(4)}, 1))
+        c = CoordinatorClient(s.address, token=TOKEN, retry_for_s=RETRY_WINDOW_S)
+        try:
+            t0 = time.monotonic()
+            with caplog.at_level("INFO", logger="ckptd"), pytest.raises(SaveAborted) as ei:
+                c.quarantine(job, 1, "rank 0: block 0 of 'w' is corrupt")
+            took = time.monotonic() - t0
+        finally:
+            c.close()
+        msg = str(ei.value)
+        assert sum(x.attempts for x in stores) == 1 and took < 5.0, (took, msg)
+        assert "Quarantine" in msg and "process is exiting" in msg, msg
+        assert "next start" in msg and "internal error" not in msg, msg
+        assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records]
     finally:
         s.stop()
 
