@@ -114,31 +114,41 @@ def test_a_full_disk_on_the_coordinator_is_a_storage_error_at_once(
         s.stop()
 
 
-class ExitingProcess(DelegatingStorage):
+class PoolsClosed(DelegatingStorage):
     """Writing a quarantine marker fails as work handed to a thread pool does once the
-    interpreter has begun to exit (the embedded coordinator of a rank that is exiting)."""
+    pool is shut down (the coordinator's loop closed) or the interpreter is exiting (the
+    embedded coordinator of a rank that is exiting), in concurrent.futures' words."""
 
-    def __init__(self, inner: Storage):
+    def __init__(self, inner: Storage, words: str):
         super().__init__(inner)
+        self.words = words
         self.attempts = 0
 
     def write_atomic(self, path: str, data: bytes) -> None:
         if not path.endswith(ckfmt.QUARANTINE_NAME):
             return self.inner.write_atomic(path, data)
         self.attempts += 1
-        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+        raise RuntimeError(self.words)
 
 
-def test_a_coordinator_whose_process_is_exiting_says_so_at_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    "words",
+    [
+        "cannot schedule new futures after shutdown",
+        "cannot schedule new futures after interpreter shutdown",
+    ],
+    ids=["loop-closed", "interpreter-exiting"],
+)
+def test_a_stopping_coordinator_says_so_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, words: str
 ) -> None:
     """Not an internal error with a traceback (a bug), and not retried as if the network
     were down (the rank's exit would wait out the retry window): SaveAborted, saying why."""
     root = tmp_path / "root"
-    stores: list[ExitingProcess] = []
+    stores: list[PoolsClosed] = []
 
     def storage_factory(path: str) -> Storage:
-        stores.append(ExitingProcess(open_storage(path, create=True)))
+        stores.append(PoolsClosed(open_storage(path, create=True), words))
         return stores[-1]
 
     s = ServerThread(root, options=ServerOptions(token=TOKEN), storage_factory=storage_factory)
@@ -156,7 +166,7 @@ def test_a_coordinator_whose_process_is_exiting_says_so_at_once(
             c.close()
         msg = str(ei.value)
         assert sum(x.attempts for x in stores) == 1 and took < 5.0, (took, msg)
-        assert "Quarantine" in msg and "process is exiting" in msg, msg
+        assert "Quarantine" in msg and "coordinator is stopping" in msg, msg
         assert "next start" in msg and "internal error" not in msg, msg
         assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records]
     finally:

@@ -171,12 +171,12 @@ def details_for(e: BaseException) -> str:
     return str(e)
 
 
-def process_exiting(e: BaseException) -> bool:
-    """The error of work handed to an executor after the interpreter began to exit:
-    concurrent.futures refuses it (from its exit hook on, before the process's other
-    threads are joined), in these words, for the coordinator's thread pools as for
-    asyncio's default one."""
-    return isinstance(e, RuntimeError) and "after interpreter shutdown" in str(e)
+def coordinator_stopping(e: BaseException) -> bool:
+    """The error of work handed to a thread pool that no longer takes any: the
+    coordinator's event loop was closed (its default pool shut down) or the interpreter
+    began to exit (concurrent.futures refuses new work from its exit hook on). A call
+    still running then cannot finish; concurrent.futures says so in these words."""
+    return isinstance(e, RuntimeError) and str(e).startswith("cannot schedule new futures after")
 
 
 def failure(
@@ -190,15 +190,15 @@ def failure(
         if kind_of(e) is E.StorageError:
             log.warning("%s: storage failed: %s", method, e)
         return code_for(e), details_for(e), trailers_for(e)
-    if process_exiting(e):
-        # Not a bug and not worth retrying: an embedded coordinator exits with its rank.
-        log.info("%s: not finished, the coordinator's process is exiting", method)
+    if coordinator_stopping(e):
+        # Not a bug, and not worth retrying: an embedded coordinator stops with its rank.
+        log.info("%s: not finished, the coordinator is stopping", method)
         return (
             grpc.StatusCode.ABORTED,
-            f"{method}: not finished: the coordinator's process is exiting (an embedded "
-            "coordinator goes with the rank that hosts it). What the call had not done is "
-            "left for the job's next start: a save without its manifest is found "
-            "unfinished and cleaned up",
+            f"{method}: not finished: the coordinator is stopping (closed, or its process "
+            "is exiting: an embedded coordinator goes with the rank that hosts it). What "
+            "the call had not done is left for the job's next start: a save without its "
+            "manifest is found unfinished and cleaned up",
             trailers_for(E.SaveAborted()),
         )
     log.error("%s failed", method, exc_info=e)
