@@ -9,10 +9,13 @@ whatever words the message holds.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -49,37 +52,41 @@ def _one_process_world(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(k, raising=False)
 
 
-class NoSpaceForMarkers(DelegatingStorage):
-    """Writing a quarantine marker fails with ENOSPC; everything else is real.
+class FailingMarkers(DelegatingStorage):
+    """Writing a quarantine marker raises `fail(where)`; everything else is real."""
 
-    `translated`: raised as storage raises it (StorageError with the errno); otherwise as
-    the kernel's OSError, with the path, that a storage let through untranslated.
-    """
-
-    def __init__(self, inner: Storage, translated: bool):
+    def __init__(self, inner: Storage, fail: Callable[[str], BaseException]):
         super().__init__(inner)
-        self.translated = translated
+        self.fail = fail
         self.attempts = 0
 
     def write_atomic(self, path: str, data: bytes) -> None:
         if not path.endswith(ckfmt.QUARANTINE_NAME):
             return self.inner.write_atomic(path, data)
         self.attempts += 1
-        where = f"{self.url}/{path}"
-        if self.translated:
-            raise StorageError(errno.ENOSPC, f"write {where} failed: {os.strerror(errno.ENOSPC)}")
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
+        raise self.fail(f"{self.url}/{path}")
 
 
-@pytest.mark.parametrize("translated", [True, False], ids=["StorageError", "OSError"])
-def test_a_full_disk_on_the_coordinator_is_a_storage_error_at_once(
-    tmp_path: Path, translated: bool
-) -> None:
+@dataclasses.dataclass
+class Refused:
+    error: BaseException
+    took_s: float
+    attempts: int
+    server: ServerThread
+    job: str
+
+
+@contextlib.contextmanager
+def quarantine_refused(
+    tmp_path: Path, fail: Callable[[str], BaseException], expect: type[BaseException]
+) -> Iterator[Refused]:
+    """A real server whose storage fails the quarantine marker with `fail`: step 1 saved,
+    then Quarantine called with the client's full retry window; the server still up."""
     root = tmp_path / "root"
-    stores: list[NoSpaceForMarkers] = []
+    stores: list[FailingMarkers] = []
 
     def storage_factory(path: str) -> Storage:
-        stores.append(NoSpaceForMarkers(open_storage(path, create=True), translated))
+        stores.append(FailingMarkers(open_storage(path, create=True), fail))
         return stores[-1]
 
     s = ServerThread(root, options=ServerOptions(token=TOKEN), storage_factory=storage_factory)
@@ -90,16 +97,39 @@ def test_a_full_disk_on_the_coordinator_is_a_storage_error_at_once(
         c = CoordinatorClient(s.address, token=TOKEN, retry_for_s=RETRY_WINDOW_S)
         try:
             t0 = time.monotonic()
-            with pytest.raises(StorageError) as ei:
+            with pytest.raises(expect) as ei:
                 c.quarantine(job, 1, "rank 0: block 0 of 'w' is corrupt")
             took = time.monotonic() - t0
         finally:
             c.close()
-        e = ei.value
+        yield Refused(ei.value, took, sum(x.attempts for x in stores), s, job)
+    finally:
+        s.stop()
+
+
+def no_space(translated: bool) -> Callable[[str], BaseException]:
+    """ENOSPC as storage raises it (StorageError with the errno), or as the kernel's
+    OSError, with the path, that a storage let through untranslated."""
+
+    def fail(where: str) -> BaseException:
+        if translated:
+            return StorageError(errno.ENOSPC, f"write {where} failed: {os.strerror(errno.ENOSPC)}")
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
+
+    return fail
+
+
+@pytest.mark.parametrize("translated", [True, False], ids=["StorageError", "OSError"])
+def test_a_full_disk_on_the_coordinator_is_a_storage_error_at_once(
+    tmp_path: Path, translated: bool
+) -> None:
+    with quarantine_refused(tmp_path, no_space(translated), StorageError) as got:
+        e, s, job = got.error, got.server, got.job
+        assert isinstance(e, StorageError)
         marker = f"step-{1:012d}/{ckfmt.QUARANTINE_NAME}"
         # Answered, not retried: one attempt at the marker, well inside the retry window.
-        assert sum(x.attempts for x in stores) == 1
-        assert took < 5.0, took
+        assert got.attempts == 1
+        assert got.took_s < 5.0, got.took_s
         assert not isinstance(e, CoordinatorUnavailable)
         msg = str(e)
         assert "unreachable" not in msg and "CKPTD_ADDRESS" not in msg, msg
@@ -110,25 +140,6 @@ def test_a_full_disk_on_the_coordinator_is_a_storage_error_at_once(
             assert e.filename is not None and e.filename.endswith(marker), e.filename
         # The catalog still holds the step as committed; nothing was half-done.
         assert s.core.catalog.save("job", 1).status == "COMMITTED"
-    finally:
-        s.stop()
-
-
-class PoolsClosed(DelegatingStorage):
-    """Writing a quarantine marker fails as work handed to a thread pool does once the
-    pool is shut down (the coordinator's loop closed) or the interpreter is exiting (the
-    embedded coordinator of a rank that is exiting), in concurrent.futures' words."""
-
-    def __init__(self, inner: Storage, words: str):
-        super().__init__(inner)
-        self.words = words
-        self.attempts = 0
-
-    def write_atomic(self, path: str, data: bytes) -> None:
-        if not path.endswith(ckfmt.QUARANTINE_NAME):
-            return self.inner.write_atomic(path, data)
-        self.attempts += 1
-        raise RuntimeError(self.words)
 
 
 @pytest.mark.parametrize(
@@ -142,35 +153,17 @@ class PoolsClosed(DelegatingStorage):
 def test_a_stopping_coordinator_says_so_at_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, words: str
 ) -> None:
-    """Not an internal error with a traceback (a bug), and not retried as if the network
-    were down (the rank's exit would wait out the retry window): SaveAborted, saying why."""
-    root = tmp_path / "root"
-    stores: list[PoolsClosed] = []
-
-    def storage_factory(path: str) -> Storage:
-        stores.append(PoolsClosed(open_storage(path, create=True), words))
-        return stores[-1]
-
-    s = ServerThread(root, options=ServerOptions(token=TOKEN), storage_factory=storage_factory)
-    try:
-        job = str(root / "job")
-        with ckpt.Checkpointer(job, coordinator=s.address, token=TOKEN, attempt="a") as cp:
-            finished(cp.save({"w": torch.ones(4)}, 1))
-        c = CoordinatorClient(s.address, token=TOKEN, retry_for_s=RETRY_WINDOW_S)
-        try:
-            t0 = time.monotonic()
-            with caplog.at_level("INFO", logger="ckptd"), pytest.raises(SaveAborted) as ei:
-                c.quarantine(job, 1, "rank 0: block 0 of 'w' is corrupt")
-            took = time.monotonic() - t0
-        finally:
-            c.close()
-        msg = str(ei.value)
-        assert sum(x.attempts for x in stores) == 1 and took < 5.0, (took, msg)
-        assert "Quarantine" in msg and "coordinator is stopping" in msg, msg
-        assert "next start" in msg and "internal error" not in msg, msg
-        assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records]
-    finally:
-        s.stop()
+    """Work handed to a thread pool that takes no more (the coordinator's loop closed, or
+    the interpreter exiting: the embedded coordinator of a rank that is exiting) is not an
+    internal error with a traceback (a bug), and not retried as if the network were down
+    (the rank's exit would wait out the retry window): SaveAborted, saying why."""
+    with caplog.at_level("INFO", logger="ckptd"):
+        with quarantine_refused(tmp_path, lambda _: RuntimeError(words), SaveAborted) as got:
+            msg = str(got.error)
+            assert got.attempts == 1 and got.took_s < 5.0, (got.took_s, msg)
+            assert "Quarantine" in msg and "coordinator is stopping" in msg, msg
+            assert "next start" in msg and "internal error" not in msg, msg
+    assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def plan(key: str, data: bytes, dtype: str = "uint8") -> ChunkPlan:
