@@ -6,11 +6,12 @@ O_DIRECT transfer pays for faulting and pinning every page: the benchmark measur
 reads at about half the raw speed that way. Tasks submitted here never wait on other tasks
 of the same pool (no nesting), so sharing cannot deadlock.
 
-Hashing of read bytes has pools of its own (`executor(n, "hash")`): a read task hands its
-bytes to a hash task and goes on reading, so the disk and the cores work at once (a
-thread that read, then hashed, left the disk idle while it hashed, and the threads fell
-into step: read together, then hash together). A read task may wait for a buffer that
-only a hash task frees; hash tasks never wait on read tasks, so that cannot deadlock.
+Hashing has pools of its own (`executor(n, "hash")`): a read task hands its bytes to a
+hash task and goes on reading, and a save hashes what it writes there while the writes
+stay in flight, so the disk and the cores work at once (a thread that read, then hashed,
+left the disk idle while it hashed, and the threads fell into step: read together, then
+hash together). A read task may wait for a buffer that only a hash task frees; hash tasks
+never wait on I/O tasks, so that cannot deadlock.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ class Pipeline:
     (`urgent`) go before the ones still queued instead of after all of them: a save's
     read-back of a written window runs while later windows are still being written.
 
-    run() returns when every task is done; on a failure no new task starts, the running
-    ones are waited for, and the first failure is raised.
+    start() sets it going and returns; wait() returns when every task is done (run() is
+    both). On a failure, or stop(), no new task starts, the running ones are waited for,
+    and wait() raises the first failure.
     """
 
     def __init__(self, pool: ThreadPoolExecutor, limit: int, tasks: Iterable[Callable[[], None]]):
@@ -77,10 +79,37 @@ class Pipeline:
         self._running = 0
         self._error: BaseException | None = None
 
+    @property
+    def failed(self) -> bool:
+        """Whether a task failed or stop() was called: work feeding this pipeline can stop."""
+        return self._error is not None
+
     def urgent(self, fn: Callable[[], None]) -> None:
         with self._cond:
             self._urgent.append(fn)
             self._pump()
+
+    def start(self) -> None:
+        with self._cond:
+            self._pump()
+
+    def stop(self, error: BaseException) -> None:
+        """Start nothing more; wait() raises `error` unless a task failed first."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        with self._cond:
+            while self._running or (self._error is None and (self._urgent or self._queued)):
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+
+    def run(self) -> None:
+        self.start()
+        self.wait()
 
     def _pump(self) -> None:  # holds the lock
         while self._error is None and self._running < self._limit:
@@ -97,7 +126,7 @@ class Pipeline:
         error = None
         try:
             fn()
-        except BaseException as e:  # noqa: BLE001 - handed to run()'s caller
+        except BaseException as e:  # noqa: BLE001 - handed to wait()'s caller
             error = e
         with self._cond:
             self._running -= 1
@@ -105,14 +134,6 @@ class Pipeline:
                 self._error = error
             self._pump()
             self._cond.notify_all()
-
-    def run(self) -> None:
-        with self._cond:
-            self._pump()
-            while self._running or (self._error is None and (self._urgent or self._queued)):
-                self._cond.wait()
-            if self._error is not None:
-                raise self._error
 
 
 def _shutdown() -> None:

@@ -59,8 +59,8 @@ class Knobs:
     # 32 MiB: a one-rank save(verify="full") of 2.13 GB, write and early read-back
     # overlapped, ran at 0.97 of the same disk's overlapped write + read-back in 32 MiB
     # windows, and at 0.84 in 8 MiB ones (3 interleaved reps; save(size) 1.30-1.34 s
-    # against 1.56-1.84 s): each window also is a hash task in the same slots, and fewer, larger
-    # ones keep more of the slots writing.
+    # against 1.56-1.84 s): fewer, larger windows keep the disk busier. (Then each window
+    # was also a hash task in the writes' slots; the hashing has its own threads since.)
     io_window: int = 32 << 20
     # Largest single read. Cold O_DIRECT reads ran 1.2-1.3x faster in 32 MiB windows than
     # in 8 MiB ones here (verify and load, interleaved A/B, 3 reps).

@@ -7,14 +7,17 @@ touches the shard path, which may be a committed step's."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import ckpt
-from ckpt import _save_job
+from ckpt import _protocol, _save_job
 from ckpt._flatten import flatten
+from ckptd import knobs
 from ckptd.errors import CkptError
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import writer
@@ -100,3 +103,64 @@ def test_a_plan_that_differs_removes_the_file_written_ahead(job: str) -> None:
         sj.keep_ahead([0])
         assert not ahead.exists() and sj.writer is None and sj.assigned is None
         assert not os.path.exists(Path(job) / "step-000000000002/shards/rank-00000.bin")
+
+
+def _gate_writes_on_the_plan(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[int]]:
+    """Every write window waits (10 s at most) until the coordinator has answered the plan;
+    returns that event and the offsets of the windows written."""
+    planned = threading.Event()
+    written: list[int] = []
+    real_write, real_begin = writer._write_window, _protocol.RankSave.begin
+
+    def gated_write(handle, offset, length, pieces, progress):  # noqa: ANN001, ANN202
+        planned.wait(10)
+        written.append(offset)
+        real_write(handle, offset, length, pieces, progress)
+
+    def begin(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        try:
+            return real_begin(self, *a, **kw)
+        finally:
+            planned.set()
+
+    monkeypatch.setattr(writer, "_write_window", gated_write)
+    monkeypatch.setattr(_protocol.RankSave, "begin", begin)
+    return planned, written
+
+
+@pytest.mark.parametrize("verify", ["full", "size"])
+def test_the_plan_is_made_while_the_writes_are_in_flight(
+    job: str, monkeypatch: pytest.MonkeyPatch, verify: str
+) -> None:
+    # The plan needs the hashes, not the writes: write_ahead returns with the hashes and
+    # keep_ahead waits for the writes. A save that waited for its writes before planning
+    # would find every write held back until the plan: 10 s each, then the assert below.
+    planned, written = _gate_writes_on_the_plan(monkeypatch)
+    state = _state(4)
+    t0 = time.monotonic()
+    ckpt.save(state, job, step=1, verify=verify)
+    assert time.monotonic() - t0 < 8, "the plan waited for the shard's writes"
+    assert written
+    rep = ckfmt.verify_checkpoint(open_storage(job), 1, level="full")
+    assert rep.ok, rep.problems
+    assert torch.equal(ckpt.load({}, job, step=1).state["w"], state["w"])
+
+
+def test_a_plan_refused_during_the_writes_stops_them_and_keeps_the_committed_shard(
+    job: str, monkeypatch: pytest.MonkeyPatch, tally
+) -> None:
+    ckpt.save(_state(1), job, step=1)
+    shard = Path(job) / "step-000000000001" / "shards" / "rank-00000.bin"
+    before = shard.read_bytes()
+    _, written = _gate_writes_on_the_plan(monkeypatch)
+    with knobs.override(io_window=64 << 10, block_size=64 << 10):
+        windows = -(-_state(2)["w"].nbytes // (64 << 10))
+        with tally.bad_input("save-committed-step-again"), pytest.raises(CkptError, match="step"):
+            ckpt.save(_state(2), job, step=1)  # committed: refused at the plan
+    # The windows in flight when the plan was refused ended; no other one started.
+    assert 0 < len(written) <= knobs.get().io_threads < windows
+    assert shard.read_bytes() == before
+    assert _shard_files(job) == [
+        "step-000000000001/shards/rank-00000.bin",
+        "step-000000000001/shards/rank-00000.json",
+    ]

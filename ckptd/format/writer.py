@@ -7,10 +7,12 @@ writes them from a small thread pool, each window one pwrite: straight from a st
 image (which holds every entry the rank has, replicas others write included) where a
 window lies in one run of the image, else gathered (O_DIRECT: the whole pages of pieces
 whose memory is page-aligned straight from it, the rest through a bounce buffer, in one
-pwritev; buffered: one pwritev from the pieces' memory). Hash tasks for the same bytes
-are interleaved with the writes in the same pool: blake3 and the I/O calls both release the GIL, so the
-disk and the cores are busy at once. Only after the data is durable is the index written,
-and only after verification does the caller get a ShardInfo it may commit.
+pwritev; buffered: one pwritev from the pieces' memory). The same bytes are hashed on
+the hash threads meanwhile (ckptd.iopool): blake3 and the I/O calls both release the GIL,
+so the disk and the cores are busy at once, and a caller that plans with the hashes can
+do so while the last writes are in flight (write(wait=False)). Only after the data is
+durable is the index written, and only after verification does the caller get a
+ShardInfo it may commit.
 
 verify="full" on a handle that writes O_DIRECT checks the bytes while later windows are
 still being written: as soon as every write under a read window has returned (so its
@@ -229,6 +231,7 @@ class ShardWriter:
         self.index_path = f"{sdir}/{self.index_name}"
         self.ctx = f"job {job!r} step {step} rank {rank} shard {storage.url}/{self.final_path}"
         self._open = False
+        self._pending: _Pending | None = None
         try:
             storage.makedirs(f"{sdir}/{layout.SHARDS_DIR}")
             # A retired file can be reused: a packed shard's every byte is written (its
@@ -254,10 +257,16 @@ class ShardWriter:
         image_offsets: Sequence[int] | None = None,
         digests: list[list[str]] | None = None,
         progress: Callable[[int], None] | None = None,
+        wait: bool = True,
     ) -> list[list[str]]:
         """Write items at their file offsets; returns their block hashes (computed as
         they are written unless `digests` are given). From `image` when given: a staging
-        buffer holding item i at image_offsets[i] (see _gather_windows)."""
+        buffer holding item i at image_offsets[i] (see _gather_windows).
+
+        wait=False returns as soon as the hashes are known, the writes still going on, so
+        the caller can plan with them meanwhile: written() waits for the writes, and
+        publish(), finish() and a later write() call it; abort() stops them."""
+        self.written()  # one write() in flight at a time
         block = self.block
         hasher = _Hasher(items, block) if digests is None else None
         hashes = hasher.hashes if hasher is not None else digests or []
@@ -271,39 +280,58 @@ class ShardWriter:
                 )
             else:
                 windows = _item_windows(items, offsets, self.align, self.window)
-            groups = [] if digests is not None else _hash_groups(items, block, self.window)
             early = None
             if self.verify_early and getattr(self.handle, "direct", False):
                 try:
                     early = _EarlyCheck(self, items, offsets, hashes, windows)
                 except _NoEarlyCheck:
                     early = None
-            tasks: list[Callable[[], None]] = []
-            for i in range(max(len(windows), len(groups))):
-                if i < len(windows):
-                    tasks.append(functools.partial(self._write_one, windows[i], i, early, progress))
-                if i < len(groups):
-                    assert hasher is not None
-                    tasks.append(functools.partial(_hash_then, hasher.run, groups[i], early))
+            tasks = [
+                functools.partial(self._write_one, w, i, early, progress)
+                for i, w in enumerate(windows)
+            ]
             pipe = iopool.Pipeline(iopool.executor(self.threads), self.threads, tasks)
-            if early is None:
-                pipe.run()
-            else:
+            self._pending = _Pending(pipe, early, offsets)
+            if early is not None:
                 early.pipe = pipe
-                try:
-                    pipe.run()
-                finally:
-                    early.handle.close()
-                early.check_all_read()
-                # Checked only if every byte went O_DIRECT (no fallback to buffered).
-                if getattr(self.handle, "direct", False):
-                    self._checked.update(offsets)
+            pipe.start()
             if hasher is not None:
+                # On the hash threads, beside the writes: when a hash task took one of the
+                # writes' slots, fewer writes were in flight and the disk waited
+                # (bench/README.md, issue 16 twelfth pass).
+                hpool = iopool.executor(knobs.get().hashers, "hash")
+                groups = _hash_groups(items, block, self.window)
+                iopool.wait_all(
+                    [hpool.submit(_hash_then, hasher.run, g, early, pipe) for g in groups]
+                )
                 hasher.settle()
         except BaseException as e:
             self.abort()
             _reraise(e, self.ctx)
+        if wait or pipe.failed:  # a failed write may have left blocks unhashed
+            self.written()
         return hashes
+
+    def written(self) -> None:
+        """Wait for the writes of a write(wait=False) and their early checks; a failure
+        aborts the file and is raised."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            try:
+                pending.pipe.wait()
+            finally:
+                if pending.early is not None:
+                    pending.early.handle.close()
+            if pending.early is not None:
+                pending.early.check_all_read()
+                # Checked only if every byte went O_DIRECT (no fallback to buffered).
+                if getattr(self.handle, "direct", False):
+                    self._checked.update(pending.offsets)
+        except BaseException as e:
+            self.abort()
+            _reraise(e, self.ctx)
 
     def _write_one(
         self,
@@ -319,6 +347,7 @@ class ShardWriter:
     def publish(self) -> None:
         """Rename a file written ahead of the plan to the shard's own name (a no-op for
         one that was not); before finish(), which makes it and its directory durable."""
+        self.written()
         if self.shard_path == self.final_path:
             return
         try:
@@ -355,6 +384,7 @@ class ShardWriter:
         one entry at items[first]'s offset."""
         if verify not in ("full", "size"):
             raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
+        self.written()
         written = [
             IndexEntry(
                 key=it.key,
@@ -441,6 +471,16 @@ class ShardWriter:
         )
 
     def abort(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:  # writes still in flight: none starts now, the rest end
+            pending.pipe.stop(CkptError(f"{self.ctx}: the shard file was aborted"))
+            try:
+                pending.pipe.wait()
+            except BaseException:  # noqa: S110 - the caller raises the failure that aborted
+                pass
+            finally:
+                if pending.early is not None:
+                    pending.early.handle.close()
         if self._open:
             self.handle.abort()
             self._open = False
@@ -488,8 +528,8 @@ def write_shard(
     return w.finish(items, offsets, hashes, verify=verify, stats=st)
 
 
-def hash_items(items: Sequence[WriteItem], *, threads: int | None = None) -> list[list[str]]:
-    """Block hashes of every item, on a thread pool (blake3 releases the GIL); each
+def hash_items(items: Sequence[WriteItem]) -> list[list[str]]:
+    """Block hashes of every item, on the hash threads (blake3 releases the GIL); each
     floating-point item's health stats are set on it in the same pass (_Hasher)."""
     k = knobs.get()
     hasher = _Hasher(items, k.block_size)
@@ -498,7 +538,7 @@ def hash_items(items: Sequence[WriteItem], *, threads: int | None = None) -> lis
         for g in groups:
             hasher.run(g)
     else:
-        pool = iopool.executor(threads or k.io_threads)
+        pool = iopool.executor(k.hashers, "hash")
         iopool.wait_all([pool.submit(hasher.run, g) for g in groups])
     hasher.settle()
     return hasher.hashes
@@ -583,10 +623,22 @@ def _hash_then(
     fn: Callable[[list[tuple[int, int]]], None],
     group: list[tuple[int, int]],
     early: _EarlyCheck | None,
+    pipe: iopool.Pipeline,
 ) -> None:
+    if pipe.failed:  # the file is lost: no point hashing what it would have held
+        return
     fn(group)
     if early is not None:
         early.advance()
+
+
+@dataclasses.dataclass
+class _Pending:
+    """The writes of a write() call still in flight, and their early check."""
+
+    pipe: iopool.Pipeline
+    early: _EarlyCheck | None
+    offsets: Sequence[int]
 
 
 class _EarlyCheck:

@@ -19,7 +19,9 @@ indexes and verifies. One rank alone (`may_write_ahead`) writes before it plans 
 every entry it holds is its own, so the packed layout is the image's, and `write_ahead`
 writes the shard under a private name while hashing it (one pass over the bytes; on a
 disk that overwrites a recycled file at 3-5 GB/s the separate hash pass had cost as much
-as the writes); `keep_ahead` renames it into place once the plan is accepted.
+as the writes) and returns once the hashes are known, so the plan is made while its last
+writes are in flight; `keep_ahead` waits for them and renames the file into place once
+the plan is accepted.
 
 An incremental save (SaveOptions.incremental) is given, before the layout is fixed, what
 its base (the step it descends from) holds for this rank (`borrow_from`): of an assigned
@@ -133,6 +135,7 @@ class SaveJob:
         self.split: dict[int, tuple[IndexEntry, int, int]] = {}
         self.overflow_write_s = 0.0  # writing entries past the budget, in the blocking part
         self.ahead = False  # every entry written (and hashed) before the plan: write_ahead
+        self._ahead_t0 = 0.0
 
     @property
     def step(self) -> int:
@@ -169,16 +172,18 @@ class SaveJob:
         finish() has made it durable and verified it, as for any shard."""
         n = len(self.items)
         self._assign(list(range(n)))  # one rank, nothing borrowed: the image's layout
-        t0 = time.perf_counter()
+        self._ahead_t0 = time.perf_counter()
         self.writer = self._open(ahead=True)
         digests: list[list[str]] = [[] for _ in range(n)]
         staged = list(range(self.n_staged))
         over = list(range(self.n_staged, n))
         for which, image in ((staged, True), (over, False)):
             if which:
-                for k, h in zip(which, self._write(which, image, None), strict=True):
+                # Back with the hashes while the last writes are still in flight: the plan
+                # is made meanwhile, and keep_ahead waits for them.
+                hashes = self._write(which, image, None, wait=False)
+                for k, h in zip(which, hashes, strict=True):
                     digests[k] = h
-        self.overflow_write_s = time.perf_counter() - t0
         self.ahead = True
         return digests
 
@@ -188,7 +193,8 @@ class SaveJob:
         layout as usual."""
         assert self.writer is not None and self.assigned is not None
         if sorted(assigned) == self.assigned:
-            self.writer.publish()
+            self.writer.publish()  # once the writes are done
+            self.overflow_write_s = time.perf_counter() - self._ahead_t0
             return
         self.writer.abort()
         self.writer, self.assigned, self.offsets, self.size = None, None, [], 0
@@ -324,10 +330,10 @@ class SaveJob:
         return digests[i][start // block : -(-end // block)]
 
     def _write(
-        self, which: list[int], image: bool, digests: list[list[str]] | None
+        self, which: list[int], image: bool, digests: list[list[str]] | None, *, wait: bool = True
     ) -> list[list[str]]:
         """Write the units at positions `which` of the packed order (hashing them as they
-        are written when `digests` is None); their digests."""
+        are written when `digests` is None); their digests. wait=False: ShardWriter.write's."""
         if self.writer is None:
             self.writer = self._open()
         units = [self.units[k] for k in which]
@@ -339,6 +345,7 @@ class SaveJob:
             if image
             else None,
             digests=None if digests is None else [self._unit_digests(u, digests) for u in units],
+            wait=wait,
         )
 
     def _open(self, *, ahead: bool = False) -> ShardWriter:
