@@ -267,8 +267,7 @@ class ShardWriter:
         the caller can plan with them meanwhile: written() waits for the writes, and
         publish(), finish() and a later write() call it; abort() stops them."""
         self.written()  # one write() in flight at a time
-        block = self.block
-        hasher = _Hasher(items, block) if digests is None else None
+        hasher = _Hasher(items, self.block) if digests is None else None
         hashes = hasher.hashes if hasher is not None else digests or []
 
         try:
@@ -296,15 +295,12 @@ class ShardWriter:
                 early.pipe = pipe
             pipe.start()
             if hasher is not None:
-                # On the hash threads, beside the writes: when a hash task took one of the
+                # Beside the writes, not in their slots: when a hash task took one of the
                 # writes' slots, fewer writes were in flight and the disk waited
                 # (bench/README.md, issue 16 twelfth pass).
-                hpool = iopool.executor(knobs.get().hashers, "hash")
-                groups = _hash_groups(items, block, self.window)
-                iopool.wait_all(
-                    [hpool.submit(_hash_then, hasher.run, g, early, pipe) for g in groups]
+                hasher.run_all(
+                    self.window, functools.partial(_hash_then, hasher.run, early=early, pipe=pipe)
                 )
-                hasher.settle()
         except BaseException as e:
             self.abort()
             _reraise(e, self.ctx)
@@ -533,14 +529,7 @@ def hash_items(items: Sequence[WriteItem]) -> list[list[str]]:
     floating-point item's health stats are set on it in the same pass (_Hasher)."""
     k = knobs.get()
     hasher = _Hasher(items, k.block_size)
-    groups = _hash_groups(items, k.block_size, k.io_window)
-    if len(groups) <= 1:
-        for g in groups:
-            hasher.run(g)
-    else:
-        pool = iopool.executor(k.hashers, "hash")
-        iopool.wait_all([pool.submit(hasher.run, g) for g in groups])
-    hasher.settle()
+    hasher.run_all(k.io_window)
     return hasher.hashes
 
 
@@ -567,6 +556,22 @@ class _Hasher:
             parts = self.parts[i]
             if parts is not None:
                 parts[b] = tensorstats.block_stats(data, self.items[i].dtype)
+
+    def run_all(
+        self, target: int, task: Callable[[list[tuple[int, int]]], None] | None = None
+    ) -> None:
+        """Every block, in groups of about `target` bytes on the hash threads (one group
+        in the calling thread), each group through `task` (run, or a wrapper of it); then
+        settle()."""
+        task = task or self.run
+        groups = _hash_groups(self.items, self.block, target)
+        if len(groups) <= 1:
+            for g in groups:
+                task(g)
+        else:
+            pool = iopool.executor(knobs.get().hashers, "hash")
+            iopool.wait_all([pool.submit(task, g) for g in groups])
+        self.settle()
 
     def settle(self) -> None:
         for it, parts in zip(self.items, self.parts, strict=True):
