@@ -74,7 +74,10 @@ def check_compact(job: Path, results: list[dict], world: int) -> None:
     opened = ckfmt.open_checkpoint(open_storage(str(job)), 1)
     assert {i.shard for i in opened.indexes} == {f"shards/{f.name}" for f in files}
     for index in opened.indexes:
-        assert manifest.packing_gap(index.entries, index.shard_size, index.alignment) is None
+        assert (
+            manifest.packing_gap(index.entries, index.shard_size, index.alignment, index.version)
+            is None
+        )
     rc, out, err = ckptctl("verify", str(job), "--all")
     assert rc == 0, out + err
 

@@ -467,7 +467,7 @@ def test_retention_keeps_committed_steps_it_cannot_read(job):
 def test_retention_keeps_a_newer_format_step(job):
     ckpt.save(state_for(1), job, step=1)
     ckpt.save(state_for(2), job, step=2)
-    edit_manifest(job, 1, lambda m: m.__setitem__("version", 5))  # newer than any read
+    edit_manifest(job, 1, lambda m: m.__setitem__("version", 6))  # newer than any read
     ckpt.save(state_for(3), job, step=3, keep_last=5)
     assert committed(job) == [1, 2, 3]
 

@@ -369,16 +369,17 @@ def test_bad_manifest_fields(job, saved, mutate):
 
 
 def test_wrong_format_version_says_upgrade(job, saved):
-    edit_manifest(job, 1, lambda m: m.__setitem__("version", 5))  # 3, 4: incremental saves
+    # 3, 4: incremental saves; 5: phased layouts; 6: newer than any read
+    edit_manifest(job, 1, lambda m: m.__setitem__("version", 6))
     msg = expect_rejected(job, ckpt.InvalidManifest)
     assert "upgrade" in msg.lower()
-    assert "5" in msg
+    assert "6" in msg
 
 
 def test_index_with_wrong_version(job, saved):
-    edit_index(job, 1, lambda d: d.__setitem__("version", 5))  # 4: block references
+    edit_index(job, 1, lambda d: d.__setitem__("version", 6))  # 4, 5: newer formats
     msg = expect_rejected(job, ckpt.InvalidManifest)
-    assert "upgrade" in msg.lower() and "5" in msg
+    assert "upgrade" in msg.lower() and "6" in msg
 
 
 @pytest.mark.parametrize(

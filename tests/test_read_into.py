@@ -1,7 +1,8 @@
 """Reads straight into the destination (ckptd.format.reader's `into`): the bytes land in the
 caller's memory with no bounce copy, each block hashed in place; a corrupt block is zeroed
 before the error, so it never stays in the caller's memory. Loads that make new tensors
-make large ones page-aligned, so O_DIRECT reads land in them."""
+place large ones in their pages as their bytes lie in the file, so O_DIRECT reads land in
+them."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from ckptd.format.reader import read_entries
 from ckptd.storage import counters, open_storage
 
 
-def _aligned(n: int) -> np.ndarray:
-    return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
+def _aligned(n: int, phase: int = 0) -> np.ndarray:
+    """n bytes of memory `phase` bytes into a page."""
+    return np.frombuffer(mmap.mmap(-1, phase + n), dtype=np.uint8)[phase:]
 
 
 def _save_one_shard(job: str, state: dict[str, torch.Tensor]) -> tuple[object, str, list]:
@@ -47,7 +49,7 @@ def test_read_into_lands_in_the_destination_without_the_sink(job, direct_io):
     state, storage, path, entries = _saved(job)
     with knobs.override(direct_io=direct_io):
         storage = open_storage(job)
-        outs = [_aligned(e.length) for e in entries]
+        outs = [_aligned(e.length, e.offset % 4096) for e in entries]
         calls: list[int] = []
         problems = read_entries(
             storage,
@@ -66,8 +68,8 @@ def test_read_into_lands_in_the_destination_without_the_sink(job, direct_io):
 def test_unaligned_destination_goes_through_the_sink(job):
     state, storage, path, entries = _saved(job)
     big = entries[0]
-    buf = _aligned(big.length + 64)
-    out = buf[64 : 64 + big.length]  # off the page: O_DIRECT cannot read into it
+    # Not in its page as the entry is in the file: O_DIRECT cannot read into it.
+    out = _aligned(big.length, (big.offset + 64) % 4096)
     got = np.zeros(big.length, dtype=np.uint8)
 
     def sink(i: int, start: int, data: np.ndarray) -> None:
@@ -95,7 +97,7 @@ def test_corrupt_block_read_in_place_is_zeroed_and_raises(job, tally):
         b = f.read(1)
         f.seek(big.offset + block + 123)
         f.write(bytes([b[0] ^ 0xFF]))
-    out = _aligned(big.length)
+    out = _aligned(big.length, big.offset % 4096)
     with tally.fault("corrupt:block-read-in-place"):
         with pytest.raises(HashMismatch, match="block 1"):
             read_entries(storage, path, [big], block, into=[out])
@@ -104,11 +106,12 @@ def test_corrupt_block_read_in_place_is_zeroed_and_raises(job, tally):
     assert out[:block].tobytes() == want[:block].tobytes()  # its verified neighbour did
 
 
-def test_load_into_empty_makes_large_tensors_page_aligned(job):
+def test_load_into_empty_places_large_tensors_as_in_the_file(job):
     state = {"big": torch.randn(1 << 19), "small": torch.randn(10)}
     ckpt.save(state, job, step=1)
+    ck = ckfmt.open_checkpoint(open_storage(job), 1)
     out = ckpt.load({}, job).state
-    assert out["big"].data_ptr() % 4096 == 0
+    assert out["big"].data_ptr() % 4096 == ck.chunks["big"][0].entry.offset % 4096
     assert torch.equal(out["big"], state["big"]) and torch.equal(out["small"], state["small"])
     out["big"].add_(1)  # writable, an ordinary tensor to the caller
     assert out["big"].untyped_storage().nbytes() == state["big"].nbytes
@@ -174,7 +177,7 @@ def test_pooled_read_buffers_come_back_after_a_failed_read(job):
         def read(self, offset: int, length: int) -> np.ndarray:
             return self.h.read(offset, length)
 
-        def can_read_into(self, out: np.ndarray) -> bool:
+        def can_read_into(self, out: np.ndarray, offset: int = 0) -> bool:
             return True
 
         def read_into(self, offset: int, out: np.ndarray) -> None:

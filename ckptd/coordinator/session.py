@@ -206,6 +206,11 @@ class Session:
         if draft is None:  # worker threads may both build it: equal, either one kept
             draft = self.drafts[block_size] = manifest_of(self, block_size, {}, None)
         shard = report.shard_info(rank)
+        if report.index_version and report.index_version != doc.get("version"):
+            raise CkptError(
+                f"{where}: format version {doc.get('version')!r}, the rank reported "
+                f"{report.index_version}"
+            )
         index = parse_index(
             None, manifest=draft, shard=shard, max_entries=10**7, what=where, doc=doc
         )

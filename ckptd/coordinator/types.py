@@ -43,6 +43,8 @@ class ShardReport:
     # The steps whose files the shard's index borrows entries from (an incremental save);
     # the manifest lists them (ShardInfo.borrows) and retention keeps them while it is kept.
     borrows: tuple[int, ...] = ()
+    # The format version of the index (ShardInfo.index_version; 0: a client before it).
+    index_version: int = 0
     # The rank's own timings (for metrics); not part of the report's identity, so a retried
     # report still matches.
     staging_s: float = dataclasses.field(default=0.0, compare=False)
@@ -65,6 +67,7 @@ class ShardReport:
             info.index_blake3,
             verify,
             tuple(info.borrows),
+            info.index_version,
             **timings,
         )
 
@@ -78,6 +81,7 @@ class ShardReport:
             self.index_size,
             self.index_blake3,
             list(self.borrows),
+            self.index_version,
         )
 
 

@@ -592,9 +592,14 @@ def commit(storage: Storage, m: Manifest) -> bytes:
             f"step {m.step}: shards of ranks {sorted(s.rank for s in m.shards)} reported, "
             f"world size is {m.world_size}; refusing to commit"
         )
-    # A step whose indexes borrow blocks is version 4 as a whole (manifest.py): only the
-    # indexes that borrow can be, and only their header is read.
-    m.index_version = max((index_version(storage, m, s) for s in m.shards if s.borrows), default=0)
+    # A step is at least the version of its highest index (manifest.py): as each rank
+    # reported it (the coordinator checked the report against the index), else, for an
+    # index that borrows (only those can be above version 2 from a client that does not
+    # report it), from the index's header.
+    m.index_version = max(
+        (s.index_version or (index_version(storage, m, s) if s.borrows else 0) for s in m.shards),
+        default=0,
+    )
     data = m.to_bytes()
     # Create-only: a manifest is never replaced (atomically so where the store offers it).
     # The crash point fires with the manifest's bytes durable but not yet visible.

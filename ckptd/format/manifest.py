@@ -40,7 +40,16 @@ BORROWING_VERSION = 3
 # an entry from one place; it refuses the index, and the manifest too, so that it lists
 # the step as unreadable (and keeps what it may borrow) rather than judge it corrupt.
 BLOCK_BORROWING_VERSION = 4
-READ_VERSIONS = (1, 2, 3, 4)
+# Version 5: an entry starts at any ENTRY_ALIGN boundary less than `alignment` bytes past the
+# end of the one before (versions 2 to 4: exactly at that end rounded up to `alignment`),
+# so that its place in a page of the file is its memory's place in a page: O_DIRECT then
+# takes a tensor's bytes straight from it, where a page-aligned offset needs a copy of every
+# byte (torch's large CPU tensors start 64 bytes into a page). Written only by an index with
+# such an offset (ShardIndex.version) and by the manifest of its step; a reader of version 4
+# would refuse the index and judge the step corrupt, so it refuses the manifest instead.
+PHASED_VERSION = 5
+READ_VERSIONS = (1, 2, 3, 4, 5)
+ENTRY_ALIGN = 64  # every offset of a version-5 index: any dtype's elements stay aligned
 MAX_DIMS = values.MAX_DIMS  # one limit for entries' shapes and views' strides
 MAX_KEY_LEN = 4096
 MAX_ELEMENTS = 1 << 62
@@ -131,16 +140,25 @@ class ShardIndex:
     alignment: int
     entries: list[IndexEntry]
 
-    def to_bytes(self) -> bytes:
+    @property
+    def version(self) -> int:
+        """The lowest format version that can say what this index says."""
+        align = self.alignment
+        if any(
+            e.offset % align or any(r.offset % align for r in e.borrowed_blocks)
+            for e in self.entries
+        ):
+            return PHASED_VERSION
         if any(e.borrowed_blocks for e in self.entries):
-            version = BLOCK_BORROWING_VERSION
-        elif any(e.lenders for e in self.entries):
-            version = BORROWING_VERSION
-        else:
-            version = FORMAT_VERSION
+            return BLOCK_BORROWING_VERSION
+        if any(e.lenders for e in self.entries):
+            return BORROWING_VERSION
+        return FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
         doc = {
             "format": INDEX_FORMAT_NAME,
-            "version": version,
+            "version": self.version,
             "job": self.job,
             "step": self.step,
             "generation": self.generation,
@@ -167,6 +185,9 @@ class ShardInfo:
     # The steps whose files this shard's index borrows entries from (ascending; empty: a
     # self-contained shard, and the field is not written).
     borrows: list[int] = dataclasses.field(default_factory=list)
+    # The format version of the index, as its writer reported it (0: not known); not a
+    # field of the manifest's record: the manifest's own version is at least it (commit).
+    index_version: int = dataclasses.field(default=0, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         # Spelled out, not dataclasses.asdict: a manifest has one of these per rank (its
@@ -210,10 +231,7 @@ class Manifest:
         return sorted({k for s in self.shards for k in s.borrows})
 
     def to_bytes(self) -> bytes:
-        if self.index_version >= BLOCK_BORROWING_VERSION:
-            version = BLOCK_BORROWING_VERSION
-        else:
-            version = BORROWING_VERSION if self.borrows else FORMAT_VERSION
+        version = max(FORMAT_VERSION, BORROWING_VERSION if self.borrows else 0, self.index_version)
         doc = {
             "format": FORMAT_NAME,
             "version": version,
@@ -530,12 +548,12 @@ def parse_index(
                 f"{what}: entry {e.key!r} ends at byte {end}, past the shard's {shard.size} bytes"
             )
     if doc["version"] >= 2:
-        gap = packing_gap(own, shard.size, manifest.alignment)
+        gap = packing_gap(own, shard.size, manifest.alignment, doc["version"])
         if gap is not None:
             raise InvalidManifest(
-                f"{what}: shard {shard.path!r} is not packed ({gap}), but a version-2 shard "
-                "holds only its entries, each at the aligned end of the one before: the "
-                "index or the shard was altered; load an earlier step"
+                f"{what}: shard {shard.path!r} is not packed ({gap}), but a version-"
+                f"{doc['version']} shard holds only its entries, each at the aligned end of "
+                "the one before: the index or the shard was altered; load an earlier step"
             )
     return ShardIndex(
         job=str(doc.get("job", "")),
@@ -603,20 +621,27 @@ def own_part(e: IndexEntry, block: int) -> IndexEntry | None:
     return dataclasses.replace(e, length=n, borrowed_blocks=[]) if n else None
 
 
-def packing_gap(entries: list[IndexEntry], size: int, align: int) -> str | None:
+def packing_gap(
+    entries: list[IndexEntry], size: int, align: int, version: int = FORMAT_VERSION
+) -> str | None:
     """Where `entries` fail to tile a shard file of `size` bytes, or None when they do.
 
     Packed (format version 2): in offset order every entry starts at the end of the one
     before rounded up to `align` (the first at 0), and the file ends at the last entry's
-    end rounded up; the only bytes no entry holds are that alignment padding.
+    end rounded up; the only bytes no entry holds are that alignment padding. Version 5
+    (PHASED_VERSION): an entry starts less than `align` bytes past the end of the one
+    before (the first: past 0), the padding before it chosen by the writer.
     """
-    pos = 0
+    end = 0
     for e in sorted(entries, key=lambda x: (x.offset, x.length)):
-        if e.offset != pos:
-            return f"entry {e.key!r} starts at byte {e.offset}, the packed place is {pos}"
-        pos = -(-(e.offset + e.length) // align) * align
-    if size != pos:
-        return f"the file is {size} bytes, its entries end at {pos} (aligned)"
+        packed = -(-end // align) * align
+        ok = end <= e.offset < end + align if version >= PHASED_VERSION else e.offset == packed
+        if not ok:
+            return f"entry {e.key!r} starts at byte {e.offset}, the packed place is {packed}"
+        end = e.offset + e.length
+    end = -(-end // align) * align
+    if size != end:
+        return f"the file is {size} bytes, its entries end at {end} (aligned)"
     return None
 
 
@@ -656,6 +681,8 @@ def _parse_entry(
             f"{ew}: length {length} != {numel} elements x {size} bytes of {dtype}"
         )
     offset = _nonneg(e, "offset", ew)
+    if version >= PHASED_VERSION:
+        align = ENTRY_ALIGN
     if offset % align:
         raise InvalidManifest(f"{ew}: offset {offset} is not {align}-byte aligned")
     file = e.get("file", shard.path)

@@ -179,9 +179,13 @@ def read_entries(
     def read_window(w: ReadWindow) -> list[CorruptCheckpoint]:
         """Into a pooled buffer, hashed (and sunk) by a hash task that frees the buffer."""
         with reading:
-            buf = _BUFFERS.take(w.length, reads_in_flight + k.hashers)
+            # The window's bytes where they lie in a page of the file (a version-5 shard's
+            # entries start inside one), so that the read goes straight into the buffer.
+            phase = w.offset % ALIGN
+            buf = _BUFFERS.take(phase + w.length, reads_in_flight + k.hashers)
+            data = buf[phase:]
             try:
-                handle.read_into(w.offset, buf)
+                handle.read_into(w.offset, data)
             except StorageError as e:
                 _BUFFERS.give(buf)
                 err = failed(plain[w.parts[0].entry], w.offset, w.length, e)
@@ -191,7 +195,7 @@ def read_entries(
             except BaseException:
                 _BUFFERS.give(buf)
                 raise
-        hashes.submit(functools.partial(hash_window, w, buf), lambda _: _BUFFERS.give(buf))
+        hashes.submit(functools.partial(hash_window, w, data), lambda _: _BUFFERS.give(buf))
         return []
 
     def read_inline(w: ReadWindow) -> list[CorruptCheckpoint]:
@@ -253,7 +257,12 @@ def read_entries(
         for i, out in enumerate(into or ()):
             r = entries[i]
             whole = not isinstance(r, EntryRead) or r.ranges is None
-            if out is not None and whole and plain[i].length and handle.can_read_into(out):
+            if (
+                out is not None
+                and whole
+                and plain[i].length
+                and handle.can_read_into(out, plain[i].offset)
+            ):
                 if out.nbytes != plain[i].length:
                     raise ValueError(f"key {plain[i].key!r}: a destination of the wrong size")
                 direct[i] = out

@@ -37,7 +37,14 @@ from ckptd import iopool, knobs
 from ckptd.errors import CkptError, CorruptCheckpoint, ShardSizeMismatch, StorageError
 from ckptd.faults import crash_point
 from ckptd.format import hashing, layout, recycle, tensorstats
-from ckptd.format.manifest import IndexEntry, ShardIndex, ShardInfo, packing_gap
+from ckptd.format.manifest import (
+    ENTRY_ALIGN,
+    PHASED_VERSION,
+    IndexEntry,
+    ShardIndex,
+    ShardInfo,
+    packing_gap,
+)
 from ckptd.format.reader import ReadWindow, check_window, plan_reads, verify_entries
 from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
 
@@ -76,36 +83,62 @@ def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-def plan_offsets(sizes: Sequence[int], alignment: int) -> tuple[list[int], int]:
-    """Aligned byte offset of each entry of the given sizes, in order, and the padded file size."""
+def plan_offsets(
+    sizes: Sequence[int], alignment: int, phases: Sequence[int] | None = None
+) -> tuple[list[int], int]:
+    """The byte offset of each entry of the given sizes, in order, and the padded file size.
+
+    Each entry starts at the first offset past the one before that lies `phases[i]` bytes
+    into an `alignment` (0 without phases: aligned; format version 2). Phases are where
+    the entries' memory lies in its page (memory_phases): the offsets of a version-5
+    index (manifest.PHASED_VERSION), whose bytes O_DIRECT takes straight from memory.
+    """
     offsets = []
-    pos = 0
-    for n in sizes:
-        offsets.append(pos)
-        pos = _round_up(pos + n, alignment)
-    return offsets, pos
+    end = 0
+    for i, n in enumerate(sizes):
+        phase = phases[i] if phases is not None else 0
+        offsets.append(end + (phase - end) % alignment)
+        end = offsets[-1] + n
+    return offsets, _round_up(end, alignment)
+
+
+def memory_phases(items: Sequence[WriteItem], alignment: int, least: int) -> list[int]:
+    """Where each item's bytes start within an `alignment` of memory: plan_offsets' phases
+    for a save that writes the items from their own memory. 0 (the aligned place) for an
+    item under `least` bytes (Storage.phased_from) or whose memory is not
+    ENTRY_ALIGN-aligned."""
+    out = []
+    for it in items:
+        addr = it.data.ctypes.data if it.data.nbytes >= least else 0
+        out.append(addr % alignment if addr % ENTRY_ALIGN == 0 else 0)
+    return out
 
 
 Window = tuple[int, int, list[Piece]]  # (file offset, length, the pieces in it)
 
 
-def _span_windows(spans: Sequence[tuple[int, int, np.ndarray]], window: int) -> list[Window]:
+def _span_windows(
+    spans: Sequence[tuple[int, int, np.ndarray]], window: int, align: int
+) -> list[Window]:
     """Windows over the spans' file ranges, each with the spans' bytes that fall in it.
 
     A span is (file offset, aligned end, bytes from that offset): the bytes may end before
-    the aligned end (the handle writes zeros there). Spans are sorted and disjoint; file
-    ranges between spans (none in a packed file) are not written. Each window is cut at
-    `window` steps from the start of its contiguous range, so a window that lies inside one
-    span's bytes is a single piece (the handle's zero-copy O_DIRECT path).
+    the aligned end (the handle writes zeros there), and start after the aligned offset
+    below (a version-5 shard's entries: zeros there too). Spans are sorted and their bytes
+    disjoint; file ranges between spans (none in a packed file) are not written. Each
+    window is cut at `window` steps from the start of its contiguous range, so a window
+    that lies inside one span's bytes is a single piece (the handle's zero-copy O_DIRECT
+    path).
     """
     ranges: list[list[int]] = []
     for off, end, _ in spans:
         if end <= off:
             continue
-        if ranges and ranges[-1][1] == off:
-            ranges[-1][1] = end
+        start = off - off % align
+        if ranges and ranges[-1][1] >= start:
+            ranges[-1][1] = max(ranges[-1][1], end)
         else:
-            ranges.append([off, end])
+            ranges.append([start, end])
     out: list[Window] = []
     j, n = 0, len(spans)
     for lo, hi in ranges:
@@ -128,7 +161,7 @@ def _span_windows(spans: Sequence[tuple[int, int, np.ndarray]], window: int) -> 
 def _item_windows(
     items: Sequence[WriteItem], offsets: Sequence[int], align: int, window: int
 ) -> list[Window]:
-    """Windows writing the items from their own memory at their (aligned) file offsets."""
+    """Windows writing the items from their own memory at their file offsets."""
     spans = sorted(
         (
             (off, _round_up(off + it.data.nbytes, align), it.data)
@@ -136,7 +169,7 @@ def _item_windows(
         ),
         key=lambda x: (x[0], x[1]),
     )
-    return _span_windows(spans, window)
+    return _span_windows(spans, window, align)
 
 
 def _gather_windows(
@@ -164,7 +197,7 @@ def _gather_windows(
         else:
             spans.append((off, off + n, image[img : img + n]))
             src.append(img)
-    return _span_windows(spans, window)
+    return _span_windows(spans, window, align)
 
 
 def _hash_groups(
@@ -396,7 +429,7 @@ class ShardWriter:
             )
             for i, (it, off) in enumerate(zip(items, offsets, strict=True))
         ]
-        gap = packing_gap(written, self.size, self.align)
+        gap = packing_gap(written, self.size, self.align, PHASED_VERSION)
         parts = {first: (count, e) for first, count, e in split}
         entries: list[IndexEntry] = []
         i = 0
@@ -464,6 +497,7 @@ class ShardWriter:
             index_size=len(index_bytes),
             index_blake3=hashing.digest(index_bytes),
             borrows=sorted({k for e in entries for k in e.lenders}),
+            index_version=index.version,
         )
 
     def abort(self) -> None:

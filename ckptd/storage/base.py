@@ -90,9 +90,9 @@ class ReadHandle(abc.ABC):
         it (hash, copy) before reading again. Raises StorageError on a short read.
         """
 
-    def can_read_into(self, out: np.ndarray) -> bool:
-        """Whether read_into(.., out) reads straight into `out` (no copy through a buffer
-        of the handle's); the reader then hashes the bytes where they landed."""
+    def can_read_into(self, out: np.ndarray, offset: int = 0) -> bool:
+        """Whether read_into(offset, out) reads straight into `out` (no copy through a
+        buffer of the handle's); the reader then hashes the bytes where they landed."""
         return False
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
@@ -112,6 +112,11 @@ class ReadHandle(abc.ABC):
 
 class Storage(abc.ABC):
     url: str
+    # Where writes go to the device straight from memory that lies in its page as the
+    # file offset does (O_DIRECT), other memory through a copy: the least piece that goes
+    # straight. A save then lays entries of that size out where their memory is
+    # (writer.memory_phases) and spares the copy. None: writes take any memory alike.
+    phased_from: int | None = None
 
     @abc.abstractmethod
     def makedirs(self, path: str) -> None:

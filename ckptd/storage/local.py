@@ -195,6 +195,10 @@ def write_atomic(
 # piece is copied into the bounce buffer with its neighbours (an iovec per few KiB would
 # cost the disk more, in smaller requests, than the copy costs the cores).
 _STRAIGHT_MIN = 64 << 10
+# The least entry a save lays out where its memory lies in its page (Storage.phased_from):
+# the copy that spares is its size, the padding it may cost up to a page; and a state of
+# small tensors stays format version 2.
+PHASED_FROM = 1 << 20
 _IOV_PER_CALL = 512  # IOV_MAX is 1024
 
 
@@ -459,13 +463,22 @@ class LocalReadHandle(ReadHandle):
         except OSError as e:
             raise self._storage.io_error("read", self.path, e, offset=offset) from e
 
-    def can_read_into(self, out: np.ndarray) -> bool:
-        # O_DIRECT needs the memory page-aligned (the tail that is not a whole page goes
-        # through the bounce buffer); a buffered read goes anywhere.
-        return not self.direct or _addr(out) % ALIGN == 0
+    def can_read_into(self, out: np.ndarray, offset: int = 0) -> bool:
+        # O_DIRECT needs the memory where it is in its page as the file offset is in its
+        # (the bytes before the first whole page and after the last go through the bounce
+        # buffer); a buffered read goes anywhere.
+        return not self.direct or (_addr(out) - offset) % ALIGN == 0
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
         n = out.nbytes
+        head = min(n, -offset % ALIGN) if self.direct else 0
+        if head and (_addr(out) - offset) % ALIGN == 0:
+            # Memory in its page as the file offset: the bytes up to the file's next page
+            # through the bounce buffer, the rest as an aligned read.
+            copy_into(out[:head], self.read(offset, head))
+            if n > head:
+                self.read_into(offset + head, out[head:])
+            return
         body = n - n % ALIGN if self.direct else n
         if self.direct and (offset % ALIGN or _addr(out) % ALIGN):
             body = 0  # not aligned: all of it through the bounce buffer
@@ -570,6 +583,7 @@ class LocalStorage(Storage):
         self.root = local_dir(root)
         self.url = self.root
         self.direct_io = direct_io
+        self.phased_from = PHASED_FROM if direct_io and _O_DIRECT else None
         self.early_writeback = early_writeback
         if create:
             if os.path.lexists(self.root) and not os.path.isdir(self.root):

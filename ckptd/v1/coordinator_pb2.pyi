@@ -205,7 +205,7 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ...) -> None: ...
 
 class ReportShardRequest(_message.Message):
-    __slots__ = ("ref", "shard_path", "size", "index_path", "index_size", "index_blake3", "verify", "staging_s", "persist_s", "write_s", "verify_s", "borrows")
+    __slots__ = ("ref", "shard_path", "size", "index_path", "index_size", "index_blake3", "verify", "staging_s", "persist_s", "write_s", "verify_s", "borrows", "index_version")
     REF_FIELD_NUMBER: _ClassVar[int]
     SHARD_PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,7 @@ class ReportShardRequest(_message.Message):
     WRITE_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     BORROWS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
     ref: SaveRef
     shard_path: str
     size: int
@@ -230,7 +231,8 @@ class ReportShardRequest(_message.Message):
     write_s: float
     verify_s: float
     borrows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., shard_path: _Optional[str] = ..., size: _Optional[int] = ..., index_path: _Optional[str] = ..., index_size: _Optional[int] = ..., index_blake3: _Optional[str] = ..., verify: _Optional[str] = ..., staging_s: _Optional[float] = ..., persist_s: _Optional[float] = ..., write_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., borrows: _Optional[_Iterable[int]] = ...) -> None: ...
+    index_version: int
+    def __init__(self, ref: _Optional[_Union[SaveRef, _Mapping]] = ..., shard_path: _Optional[str] = ..., size: _Optional[int] = ..., index_path: _Optional[str] = ..., index_size: _Optional[int] = ..., index_blake3: _Optional[str] = ..., verify: _Optional[str] = ..., staging_s: _Optional[float] = ..., persist_s: _Optional[float] = ..., write_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., borrows: _Optional[_Iterable[int]] = ..., index_version: _Optional[int] = ...) -> None: ...
 
 class AwaitCommitRequest(_message.Message):
     __slots__ = ("ref", "timeout_ms")

@@ -45,6 +45,7 @@ from ckptd.format.boxes import BoxPlan, BoxRead, plan_boxes, read_boxes, saved_e
 from ckptd.format.checkpoint import OpenCheckpoint
 from ckptd.format.manifest import IndexEntry
 from ckptd.storage.base import Storage
+from ckptd.storage.local import ALIGN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +109,21 @@ def _box(d: _Dest) -> BoxRead:
 _ALIGNED_FROM = 1 << 20
 
 
-def _empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A new CPU tensor for a load to fill; from 1 MiB on, in page-aligned memory of its
-    own (an anonymous mmap, freed with the tensor), so an O_DIRECT read lands in it with no
-    bounce copy (ckptd.format.reader)."""
+def _empty(shape: Sequence[int], dtype: torch.dtype, phase: int = 0) -> torch.Tensor:
+    """A new CPU tensor for a load to fill; from 1 MiB on, in memory of its own (an
+    anonymous mmap, freed with the tensor) `phase` bytes into a page, as its bytes lie in
+    the shard file, so an O_DIRECT read lands in it with no bounce copy
+    (ckptd.format.reader)."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if nbytes < _ALIGNED_FROM:
         return torch.empty(tuple(shape), dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(tuple(shape))
+    mem = mmap.mmap(-1, phase + nbytes)
+    # A storage of exactly the tensor's bytes (a larger one would make it a view).
+    return (
+        torch.frombuffer(mem, dtype=torch.uint8, offset=phase, count=nbytes)
+        .view(dtype)
+        .view(tuple(shape))
+    )
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
@@ -190,6 +198,13 @@ class Planner:
         )
         self.bases: dict[str, torch.UntypedStorage] = {}
         self._box_plan: BoxPlan | None = None
+
+    def _file_phase(self, key: str) -> int:
+        """Where a key's bytes start in a page of its shard file (a version-5 shard's
+        entries start inside one), when one saved chunk holds the key: a tensor made for
+        it starts there in its page too. 0 otherwise."""
+        chunks = self.ckpt.chunks.get(key, ())
+        return chunks[0].entry.offset % ALIGN if len(chunks) == 1 else 0
 
     @property
     def _where(self) -> str:
@@ -379,7 +394,7 @@ class Planner:
         if "view" in attrs:
             buf = self._view(key, attrs["view"]["storage"], dtype, shape)
         else:
-            buf = _empty(shape, dtype)
+            buf = _empty(shape, dtype, self._file_phase(key))
             self.dests[key] = _Dest(key, buf, tensor_bytes(buf), (0,) * len(shape), shape)
         made = self.made[key] = self._as_saved(key, buf, attrs)
         return made
@@ -433,7 +448,7 @@ class Planner:
             self._cuda.add(target.device)
             copy = functools.partial(_copy, target, buf, True)
         else:
-            buf = _empty(sizes, dtype)
+            buf = _empty(sizes, dtype, self._file_phase(key) if offsets == (0,) * len(sizes) else 0)
             copy = functools.partial(_copy, target, buf)
         self.dests[key] = _Dest(key, buf, tensor_bytes(buf), offsets, sizes)
         # Runs before load_state_dict callbacks (they were appended later).

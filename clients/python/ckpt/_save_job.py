@@ -47,7 +47,14 @@ from ckptd.coordinator.planning import ChunkPlan
 from ckptd.format import layout
 from ckptd.format.incremental import borrow_key, reuse_blocks
 from ckptd.format.manifest import IndexEntry, ShardInfo, entry_pieces, own_part
-from ckptd.format.writer import ShardWriter, ShardWriteStats, WriteItem, hash_items, plan_offsets
+from ckptd.format.writer import (
+    ShardWriter,
+    ShardWriteStats,
+    WriteItem,
+    hash_items,
+    memory_phases,
+    plan_offsets,
+)
 from ckptd.storage import Storage
 
 VERIFY_LEVELS = ("full", "size")
@@ -312,8 +319,14 @@ class SaveJob:
                     if p.file == own_file:  # a run of changed blocks
                         self.units.append((i, p.start, p.start + p.length))
                 self.split[i] = (e, first, len(self.units) - first)
+            # Where each unit's memory lies in its page, where the storage writes straight
+            # from such memory (a staged unit's is 0: the image is page-aligned).
+            phases, least = None, self.storage.phased_from
+            if least is not None and knobs.get().phased_layout:
+                items = [self._unit_item(u) for u in self.units]
+                phases = memory_phases(items, self.alignment, least)
             self.offsets, self.size = plan_offsets(
-                [end - start for _, start, end in self.units], self.alignment
+                [end - start for _, start, end in self.units], self.alignment, phases
             )
         return self.units
 
