@@ -613,7 +613,9 @@ def floor_overwrite_pool(b: Bench) -> float:
     job, _ = _recycled_job(b)
     (pool_file,) = _pool_files(job)  # keep_last=1: one retired shard file
     size = pool_file.stat().st_size
-    if size != b.size:
+    # The save's file holds the raw layout's bytes and, where it places large tensors by
+    # their memory (format version 5), a few pages of padding more (0.02% here).
+    if not b.size <= size <= b.size * 1.01:
         raise AssertionError(f"pool file {size} bytes, the raw layout {b.size}")
     best = float("inf")
     got = {}

@@ -58,10 +58,11 @@ class Knobs:
     alignment: int = 4096
     # A save that writes tensors from their own memory under O_DIRECT lays each entry out
     # at its memory's place in a page (format version 5, manifest.PHASED_VERSION), so the
-    # disk takes the bytes straight from the tensor: a 2.13 GB one-shot save used 0.42
-    # CPU-s less and ran 9% faster (bench/README.md, thirteenth pass). Off: entries at
-    # page-aligned offsets (version 2, readable by ckptd before version 5), every byte
-    # copied into an aligned buffer on its way to the disk.
+    # disk takes the bytes straight from the tensor: a 2.13 GB one-shot save used 0.33-0.46
+    # CPU-s less (of 1.66-1.87); its time is the disk's where the disk is the limit
+    # (bench/README.md, thirteenth pass). Off: entries at page-aligned offsets (version 2,
+    # readable by ckptd before version 5), every byte copied into an aligned buffer on its
+    # way to the disk.
     phased_layout: bool = True
     # Largest single positional write/read; also the bounce-buffer size for O_DIRECT.
     # 32 MiB: a one-rank save(verify="full") of 2.13 GB, write and early read-back

@@ -190,3 +190,21 @@ def test_pooled_read_buffers_come_back_after_a_failed_read(job):
     problems = reader.verify_entries(storage, path, entries, knobs.get().block_size)
     assert problems and all("refused" in str(p) for p in problems)
     assert reader._BUFFERS._out == 0
+
+
+def test_pooled_read_buffers_of_different_sizes_are_reused():
+    """A window starts where its bytes lie in a page (a version-5 shard), so the pool holds
+    buffers of several sizes; taking one back picks it by identity (comparing numpy arrays
+    broke this as soon as two sizes were free)."""
+    from ckptd.format import reader
+
+    pool = reader._Buffers()
+    with knobs.override(read_window=1 << 20):
+        small, big = pool.take(1 << 20, 4), pool.take(3 << 20, 4)
+        assert small.nbytes == 1 << 20 and big.nbytes == 3 << 20
+        pool.give(small)
+        pool.give(big)
+        again = pool.take(2 << 20, 4)  # only the big one fits
+        assert reader._address(again) == reader._address(big)
+        pool.give(again)
+        assert pool._out == 0

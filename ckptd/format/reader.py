@@ -377,7 +377,8 @@ class _Buffers:
                 fits = [b for b in self._free if b.nbytes >= n]
                 if fits:
                     buf = min(fits, key=lambda b: b.nbytes)
-                    self._free.remove(buf)
+                    # By identity: list.remove would compare arrays element by element.
+                    self._free = [b for b in self._free if b is not buf]
                     self._out += 1
                     return buf[:n]
                 if self._free or self._out < limit:
@@ -387,7 +388,9 @@ class _Buffers:
                     break
                 self._cond.wait()
         try:
-            size = -(-max(n, knobs.get().read_window) // ALIGN) * ALIGN
+            # A window and the part of a page before it (reads start where their bytes
+            # lie in a page: read_window's phase).
+            size = -(-max(n, knobs.get().read_window + ALIGN) // ALIGN) * ALIGN
             mm, buf = map_populated(size)
         except BaseException:
             with self._cond:
