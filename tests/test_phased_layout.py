@@ -23,7 +23,7 @@ from ckptd.format import checkpoint as ckfmt
 from ckptd.format import manifest as mf
 from ckptd.format.reader import read_entries
 from ckptd.server import ServerOptions
-from ckptd.storage import local, open_storage
+from ckptd.storage import counters, local, open_storage
 
 MiB = 1 << 20
 
@@ -207,6 +207,7 @@ def test_a_read_into_memory_placed_like_the_file_needs_no_sink(job):
         phase = e.offset % 4096
         outs.append(np.frombuffer(mmap.mmap(-1, phase + e.length), dtype=np.uint8)[phase:])
     calls: list[int] = []
+    before = counters.snapshot()
     problems = read_entries(
         st,
         ck.shard_path(shard),
@@ -216,5 +217,7 @@ def test_a_read_into_memory_placed_like_the_file_needs_no_sink(job):
         into=outs,
     )
     assert problems == [] and calls == []
+    if _direct(job):  # one read each: the partial pages at the ends into scratch pages
+        assert (counters.snapshot() - before).read_calls == len(entries)
     for key, out in zip(("a", "b"), outs, strict=True):
         assert out.tobytes() == s[key].view(torch.uint8).numpy().tobytes()

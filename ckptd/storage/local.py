@@ -471,13 +471,14 @@ class LocalReadHandle(ReadHandle):
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
         n = out.nbytes
-        head = min(n, -offset % ALIGN) if self.direct else 0
-        if head and (_addr(out) - offset) % ALIGN == 0:
-            # Memory in its page as the file offset: the bytes up to the file's next page
-            # through the bounce buffer, the rest as an aligned read.
-            copy_into(out[:head], self.read(offset, head))
-            if n > head:
-                self.read_into(offset + head, out[head:])
+        if self.direct and offset % ALIGN and (_addr(out) - offset) % ALIGN == 0:
+            if not self._read_paged(offset, out):
+                # Short (the file ends early: the error comes from the aligned read), or
+                # refused: the bytes up to the file's next page, then an aligned read.
+                head = min(n, -offset % ALIGN)
+                copy_into(out[:head], self.read(offset, head))
+                if n > head:
+                    self.read_into(offset + head, out[head:])
             return
         body = n - n % ALIGN if self.direct else n
         if self.direct and (offset % ALIGN or _addr(out) % ALIGN):
@@ -500,6 +501,36 @@ class LocalReadHandle(ReadHandle):
             raise self._storage.io_error("read", self.path, e, offset=offset + done) from e
         if n > body:
             copy_into(out[body:], self.read(offset + body, n - body))
+
+    def _read_paged(self, offset: int, out: np.ndarray) -> bool:
+        """One O_DIRECT read of `out`, whose memory lies in its page as `offset` does in the
+        file's: the partial pages at its ends into scratch pages (copied in after), the
+        whole pages between straight into it. False (nothing usable read) on a short read
+        or a refusal."""
+        n = out.nbytes
+        start = offset - offset % ALIGN
+        head = min(n, ALIGN - offset % ALIGN)
+        body = (n - head) // ALIGN * ALIGN
+        tail = n - head - body
+        scratch = _scratch.get(2 * ALIGN)
+        iov = [scratch[:ALIGN]]
+        if body:
+            iov.append(out[head : head + body])
+        if tail:
+            iov.append(scratch[ALIGN : 2 * ALIGN])
+        try:
+            got = os.preadv(self._fd, iov, start)  # type: ignore[arg-type]
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                return False
+            raise self._storage.io_error("read", self.path, e, offset=start) from e
+        counters.read(max(got, 0))
+        if got < offset - start + n:
+            return False
+        copy_into(out[:head], scratch[offset - start : offset - start + head])
+        if tail:
+            copy_into(out[head + body :], scratch[ALIGN : ALIGN + tail])
+        return True
 
     def read_spans(self, spans: Sequence[tuple[int, np.ndarray]]) -> None:
         # One preadv per _SPANS_PER_CALL spans: each span's bytes straight into its memory
