@@ -472,7 +472,7 @@ class LocalReadHandle(ReadHandle):
     def read_into(self, offset: int, out: np.ndarray) -> None:
         n = out.nbytes
         if self.direct and offset % ALIGN and (_addr(out) - offset) % ALIGN == 0:
-            if not self._read_paged(offset, out):
+            if not self._scatter([(offset, out)]):
                 # Short (the file ends early: the error comes from the aligned read), or
                 # refused: the bytes up to the file's next page, then an aligned read.
                 head = min(n, -offset % ALIGN)
@@ -502,36 +502,6 @@ class LocalReadHandle(ReadHandle):
         if n > body:
             copy_into(out[body:], self.read(offset + body, n - body))
 
-    def _read_paged(self, offset: int, out: np.ndarray) -> bool:
-        """One O_DIRECT read of `out`, whose memory lies in its page as `offset` does in the
-        file's: the partial pages at its ends into scratch pages (copied in after), the
-        whole pages between straight into it. False (nothing usable read) on a short read
-        or a refusal."""
-        n = out.nbytes
-        start = offset - offset % ALIGN
-        head = min(n, ALIGN - offset % ALIGN)
-        body = (n - head) // ALIGN * ALIGN
-        tail = n - head - body
-        scratch = _scratch.get(2 * ALIGN)
-        iov = [scratch[:ALIGN]]
-        if body:
-            iov.append(out[head : head + body])
-        if tail:
-            iov.append(scratch[ALIGN : 2 * ALIGN])
-        try:
-            got = os.preadv(self._fd, iov, start)  # type: ignore[arg-type]
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                return False
-            raise self._storage.io_error("read", self.path, e, offset=start) from e
-        counters.read(max(got, 0))
-        if got < offset - start + n:
-            return False
-        copy_into(out[:head], scratch[offset - start : offset - start + head])
-        if tail:
-            copy_into(out[head + body :], scratch[ALIGN : ALIGN + tail])
-        return True
-
     def read_spans(self, spans: Sequence[tuple[int, np.ndarray]]) -> None:
         # One preadv per _SPANS_PER_CALL spans: each span's bytes straight into its memory
         # (whole pages of it under O_DIRECT), and a scratch page of this thread's bounce
@@ -544,50 +514,61 @@ class LocalReadHandle(ReadHandle):
                     self.read_into(offset, out)
 
     def _scatter(self, spans: Sequence[tuple[int, np.ndarray]]) -> bool:
-        """One scatter read of packed spans; False (nothing read) where it cannot be one."""
+        """One scatter read of packed spans; False (nothing read) where it cannot be one.
+
+        Under O_DIRECT each span's memory must lie in its page as its file offset does
+        (the first span may start inside a page: a version-5 entry); the partial pages
+        at the ends go into scratch pages, copied in after."""
         first = spans[0][0]
-        if self.direct and (first % ALIGN or any(_addr(out) % ALIGN for _, out in spans)):
+        if self.direct and any((_addr(out) - off) % ALIGN for off, out in spans):
             return False
         pads = 0
         for (off, out), (nxt, _) in zip(spans, spans[1:], strict=False):
             if nxt != _round_up(off + out.nbytes):
                 return False  # not packed
             pads += nxt != off + out.nbytes
-        scratch = _scratch.get((pads + 1) * ALIGN)
+        scratch = _scratch.get((pads + 2) * ALIGN)
         iov: list[np.ndarray] = []
-        tails: list[tuple[np.ndarray, int, np.ndarray]] = []
+        copies: list[tuple[np.ndarray, np.ndarray]] = []  # (into, from a scratch page)
         k = 0
+        start = first - first % ALIGN if self.direct else first
         for j, (off, out) in enumerate(spans):
             n = out.nbytes
             end = off + n
             last = j == len(spans) - 1
             if self.direct:
-                body = n - n % ALIGN
-                if body:
-                    iov.append(out[:body])
-                if n > body:  # the tail and the padding after it: a whole page
+                lead = min(n, -off % ALIGN)  # before the span's first whole page
+                if lead:
                     page = scratch[k * ALIGN : (k + 1) * ALIGN]
                     iov.append(page)
-                    tails.append((out, body, page))
+                    copies.append((out[:lead], page[off % ALIGN : off % ALIGN + lead]))
+                    k += 1
+                body = (n - lead) // ALIGN * ALIGN
+                if body:
+                    iov.append(out[lead : lead + body])
+                if n > lead + body:  # the tail and the padding after it: a whole page
+                    page = scratch[k * ALIGN : (k + 1) * ALIGN]
+                    iov.append(page)
+                    copies.append((out[lead + body :], page[: n - lead - body]))
                     k += 1
             else:
                 iov.append(out)
                 if not last and _round_up(end) > end:
                     iov.append(scratch[k * ALIGN : k * ALIGN + _round_up(end) - end])
                     k += 1
-        need = spans[-1][0] + spans[-1][1].nbytes - first
+        need = spans[-1][0] + spans[-1][1].nbytes - start
         try:
-            got = os.preadv(self._fd, iov, first)  # type: ignore[arg-type]
+            got = os.preadv(self._fd, iov, start)  # type: ignore[arg-type]
         except OSError as e:
             if self.direct and e.errno == errno.EINVAL:
                 self._reopen_buffered()
                 return False
-            raise self._storage.io_error("read", self.path, e, offset=first) from e
+            raise self._storage.io_error("read", self.path, e, offset=start) from e
         counters.read(max(got, 0))
         if got < need:  # a short read (rare on a regular file): span by span instead
             return False
-        for out, body, page in tails:
-            copy_into(out[body:], page[: out.nbytes - body])
+        for into, page in copies:
+            copy_into(into, page)
         return True
 
     def _reopen_buffered(self) -> None:
