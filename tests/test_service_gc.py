@@ -1,5 +1,6 @@
 """`ckptd serve`'s garbage-collection pacing (ckptd/server/collector.py): the young
-threshold rises with the ranks of the saves in flight on a real core, and never falls."""
+threshold rises with the ranks of the saves in flight on a real core; when none is in
+flight, what is due is collected and the threshold falls back to its floor."""
 
 from __future__ import annotations
 
@@ -22,7 +23,18 @@ def saved_threshold():
     gc.set_threshold(*before)
 
 
-def test_threshold_follows_a_save_in_flight_and_never_falls(
+class _Cycle:
+    """Cyclic garbage of a kind nothing else makes: only the collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _cycles() -> int:
+    return sum(1 for o in gc.get_objects() if type(o) is _Cycle)
+
+
+def test_threshold_follows_a_save_in_flight_then_idle_collects_and_lowers_it(
     tmp_path: Path, saved_threshold, monkeypatch
 ) -> None:
     monkeypatch.setattr(collector, "PACE_S", 0.01)
@@ -38,7 +50,8 @@ def test_threshold_follows_a_save_in_flight_and_never_falls(
             waiting: list[asyncio.Future] = []
             try:
                 await asyncio.sleep(0.05)
-                assert gc.get_threshold()[0] == 700  # no save in flight: left as it was
+                # No save in flight: collected, and set to the floor.
+                assert gc.get_threshold()[0] == collector.GC_YOUNG
                 ranks = [RankSim(core, job, r, world) for r in range(world)]
                 for r in ranks:
                     r.prepare({"w": ckpt.PerRank(torch.full((4,), float(r.rank)))})
@@ -48,14 +61,30 @@ def test_threshold_follows_a_save_in_flight_and_never_falls(
                 assert collector.ranks_in_flight(core) == world
                 assert gc.get_threshold()[0] == collector.GC_PER_RANK * world
                 await asyncio.gather(ranks[2].begin(1), *waiting)
-                for r in ranks:
-                    await r.report(1, await r.write(1))
-                for r in ranks:
-                    assert (await core.await_commit(r.ref(1), 30)).status == "COMMITTED"
-                await asyncio.sleep(0.05)
-                assert collector.ranks_in_flight(core) == 0
-                # Lowering it now would collect at once everything the save left behind.
-                assert gc.get_threshold()[0] == collector.GC_PER_RANK * world
+                collections: list[int] = []
+                gc.callbacks.append(log := lambda phase, info: collections.append(phase))
+                try:
+                    # Garbage made while the save is in flight waits (no collection of
+                    # the young generation under a threshold of world x GC_PER_RANK).
+                    for _ in range(world):
+                        _Cycle()
+                    for r in ranks:
+                        await r.report(1, await r.write(1))
+                    assert collections == [] and _cycles() == world
+                    for r in ranks:
+                        assert (await core.await_commit(r.ref(1), 30)).status == "COMMITTED"
+                    # Idle: what is due is collected at once, and the threshold is the
+                    # floor again (the collection emptied the young generation first, so
+                    # the next allocation does not walk what outlived the save).
+                    for _ in range(100):
+                        if gc.get_threshold()[0] == collector.GC_YOUNG:
+                            break
+                        await asyncio.sleep(0.02)
+                    assert collector.ranks_in_flight(core) == 0
+                    assert gc.get_threshold()[0] == collector.GC_YOUNG
+                    assert "stop" in collections and _cycles() == 0
+                finally:
+                    gc.callbacks.remove(log)
             finally:
                 pacer.cancel()
                 for w in waiting:
@@ -67,3 +96,21 @@ def test_threshold_follows_a_save_in_flight_and_never_falls(
 def test_young_threshold_has_a_floor() -> None:
     assert collector.young_threshold(0) == collector.GC_YOUNG
     assert collector.young_threshold(16_384) == collector.GC_PER_RANK * 16_384
+
+
+def test_collect_due_picks_the_generation_cpythons_trigger_would(saved_threshold) -> None:
+    """CPython collects the middle generation once its count (young collections since its
+    last) passes its threshold, the oldest once the middle one's does."""
+    gc.set_threshold(50_000, 3, 2)
+    got: list[int] = []
+    gc.callbacks.append(log := lambda phase, info: got.append(info["generation"]))
+    try:
+        gc.collect()  # every count at zero
+        got.clear()
+        for _ in range(20):
+            collector.collect_due()
+    finally:
+        gc.callbacks.remove(log)
+    starts = got[::2]  # each collection calls back at "start" and at "stop"
+    young4 = [0, 0, 0, 0]
+    assert starts == [*young4, 1, *young4, 1, *young4, 1, *young4, 2], starts
