@@ -70,22 +70,19 @@ def collect_due() -> int:
     return gc.collect(generation)
 
 
-def idle(core: Coordinator) -> bool:
-    """No save in flight, to storage or to memory: a collection now delays no one."""
-    return ranks_in_flight(core) == 0 and not core.memory_saves
-
-
 async def pace(core: Coordinator) -> None:
     """Until cancelled (the service's lifetime): while saves are in flight raise the young
     threshold to young_threshold(their ranks) whenever it is below; when none is, collect
     what is due if the young generation holds at least the floor's worth or the threshold
     was raised, and set the threshold back to the floor."""
     while True:
-        if not idle(core):
-            want = young_threshold(ranks_in_flight(core))
+        flying = ranks_in_flight(core)
+        if flying or core.memory_saves:  # a save to storage or to memory is in flight
+            want = young_threshold(flying)
             if want > gc.get_threshold()[0]:
                 set_young(want)
         elif gc.get_threshold()[0] > GC_YOUNG or gc.get_count()[0] >= GC_YOUNG:
+            # Idle: a collection now delays no one.
             collect_due()
             set_young(GC_YOUNG)
         await asyncio.sleep(PACE_S)
