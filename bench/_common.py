@@ -11,11 +11,13 @@ import gc
 import json
 import os
 import platform
+import queue
 import resource
 import shutil
 import statistics
 import subprocess
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +124,41 @@ def aligned_buffer(n: int, fill: int | None = 0x5A) -> np.ndarray:
     if fill is not None:
         buf.fill(fill)
     return buf
+
+
+def read_files(
+    paths: list[Path],
+    threads: int,
+    window: int,
+    bufs: queue.SimpleQueue[np.ndarray],
+    direct: bool = True,
+) -> None:
+    """Positional reads of every file, `window` bytes each, on `threads` threads, into
+    aligned buffers lent by `bufs` (at least `threads` of them, each of `window` bytes or
+    more): the read floor of a load of the same files."""
+    flag = getattr(os, "O_DIRECT", 0) if direct else 0
+    fds = [os.open(p, os.O_RDONLY | flag) for p in paths]
+    try:
+        tasks = [
+            (fd, off, min(window, size - off))
+            for fd, size in zip(fds, (p.stat().st_size for p in paths), strict=True)
+            for off in range(0, size, window)
+        ]
+
+        def read(task: tuple[int, int, int]) -> None:
+            fd, off, n = task
+            buf = bufs.get()
+            try:
+                if os.preadv(fd, [buf[: _round_up(n, ALIGN)]], off) < n:
+                    raise OSError(f"short read at {off}")
+            finally:
+                bufs.put(buf)
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, tasks))
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

@@ -11,14 +11,18 @@ through saves, loads and DCP), each figure against its floor or peer from the sa
             cache_staged_state_dict=True) in the same run (goal: below it)
   training  the median step time of a CUDA training loop alone, and while a Checkpointer
             save persists (the slowdown; goal <= 1.1x)
-  load      ckpt.load into CUDA tensors (read, verify, host-to-device) against a plain
-            pinned host-to-device copy_ of the same bytes (info: a load reads the disk
-            too), and Checkpointer.resume into the CUDA state
+  first     the stall of the first Checkpointer.save after resume and TRAIN_S seconds of
+            training steps (resume maps and pins the staging buffer meanwhile) against a
+            later save's (goal <= 1.5x)
+  load      ckpt.load and Checkpointer.resume into CUDA tensors (read, verify,
+            host-to-device) against the cold read of the very shard files they read
+            (O_DIRECT, page cache dropped, the best of READ_SWEEP; goal >= 0.85x), and
+            against a plain pinned host-to-device copy_ of the same bytes (info)
   DCP       dcp.save / dcp.load of the CUDA state through ckpt.integrations.dcp's
             StorageWriter/Reader (GB/s, checked)
 Every load is checked against the saved tensors (torch.equal on the device); a mismatch
-is a failure. Warm-up runs (the first save maps and registers the staging buffer, DCP's
-first save plans) are excluded. Prints the table, writes bench/results/gpu-<ts>.json,
+is a failure. Warm-up runs (DCP's first saves plan and pin) are excluded; the first
+Checkpointer.save is its own figure. Prints the table, writes bench/results/gpu-<ts>.json,
 and exits 1 if a check failed or a goal was missed; 2 without a CUDA device.
 
     .venv/bin/python bench/gpu.py [--size-gib 10] [--reps 2] [--quick]
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import statistics
 import sys
@@ -42,6 +47,8 @@ import torch
 
 NO_CUDA = 2
 BUDGET_S = 270.0  # stop starting repetitions past this (the run must stay under 5 min)
+TRAIN_S = 5.0  # training steps between resume and the first save (a real loop runs longer)
+READ_SWEEP = [(4, 16 * C.MiB), (8, 64 * C.MiB)]  # (threads, window) of the read floor
 
 
 def cuda_state(size_gib: float, seed: int = 0) -> dict[str, Any]:
@@ -118,6 +125,20 @@ def h2d_copy(flat: list[tuple[str, torch.Tensor]], host: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
+def cold_read_s(paths: list[Path], bufs: queue.SimpleQueue[Any], under: Path) -> float:
+    """The fastest READ_SWEEP configuration's cold read of `paths` (O_DIRECT, the page
+    cache dropped before each); seconds."""
+    if not paths:
+        raise AssertionError(f"no shard files to read under {under}")
+    best = float("inf")
+    for threads, window in READ_SWEEP:
+        C.drop_caches(under)
+        t0 = time.perf_counter()
+        C.read_files(paths, threads, window, bufs)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 class Trainer:
     """A small CUDA training step: an MLP in bf16, forward, backward, AdamW."""
 
@@ -156,6 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import ckpt
     from ckpt.integrations.dcp import StorageReader, StorageWriter
+    from ckptd.format.layout import step_dir
 
     t_start = time.perf_counter()
     work = args.dir / f"run-{os.getpid()}"
@@ -183,11 +205,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         alone = [trainer.step() for _ in range(20)]
         notes["train_step_alone_s"] = statistics.median(alone)
 
+        bufs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for _ in range(max(t for t, _ in READ_SWEEP)):
+            bufs.put(C.aligned_buffer(max(w for _, w in READ_SWEEP)))
+
         cp = ckpt.Checkpointer(work / "ckpt", verify="full", keep_last=2)
         cp.resume(state, allow_fresh_start=True)  # maps + registers the staging image
-        warm = cp.save(state, 1)
-        warm.wait()
-        notes["first_save_blocking_s"] = warm.blocking_s
+        t0 = time.perf_counter()
+        steps_while(trainer, lambda: time.perf_counter() - t0 < TRAIN_S)
+        first = cp.save(state, 1)
+        add("Checkpointer.save stall, first save s", first.blocking_s)
+        first.wait()
         step = 1
         dcp_step = 0
 
@@ -239,6 +267,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(path)
             add("train step alone s", statistics.median([trainer.step() for _ in range(10)]))
 
+            shards = sorted((work / "ckpt" / step_dir(step) / "shards").glob("*.bin"))
+            add("cold read of the step's shard files GB/s", gb / cold_read_s(shards, bufs, work))
             dst = like(state)
             C.drop_caches(work)
             t0 = time.perf_counter()
@@ -301,6 +331,14 @@ def verdicts(fig: dict[str, list[float]]) -> list[dict[str, Any]]:
          m("train step while Checkpointer save persists s"), 1 / 1.1),
         ("train step alone / while DCP persists (info)", m("train step alone s"),
          m("train step while DCP async_save persists s"), None),
+        # the first stall at most 1.5x a later one: later / first >= 1 / 1.5
+        ("later Checkpointer.save stall / first", m("Checkpointer.save stall s"),
+         m("Checkpointer.save stall, first save s"), 1 / 1.5),
+        ("ckpt.load CUDA / cold read of its shard files", m("ckpt.load into CUDA tensors GB/s"),
+         m("cold read of the step's shard files GB/s"), 0.85),
+        ("Checkpointer.resume CUDA / cold read of its shard files",
+         m("Checkpointer.resume into CUDA tensors GB/s"),
+         m("cold read of the step's shard files GB/s"), 0.85),
         ("ckpt.load CUDA / pinned H2D copy_ (info)", m("ckpt.load into CUDA tensors GB/s"),
          m("pinned copy_ H2D GB/s"), None),
     ]  # fmt: skip

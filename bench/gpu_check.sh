@@ -9,7 +9,8 @@
 #
 # Logs and the bench's JSON land in LOGDIR (default bench/results). The full bench is
 # skipped when the tests failed (it would fail the same way; set GPU_BENCH_ANYWAY=1 to run
-# it regardless). Exit status: the tests' if they failed, else the bench's.
+# it regardless). GPU_PYTEST_K selects tests (pytest -k; "not quick" leaves out the quick bench
+# run, which the full one covers). Exit status: the tests' if they failed, else the bench's.
 set -u
 cd "$(dirname "$0")/.."
 LOG=${1:-bench/results}
@@ -28,7 +29,8 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, available: "
       f"protobuf {google.protobuf.__version__}, blake3 {blake3.__version__}")
 EOF
 
-timeout 180 $PY -m pytest -m gpu tests/test_gpu_path.py -p no:cacheprovider -q -rA 2>&1 |
+timeout 180 $PY -m pytest -m gpu tests/test_gpu_path.py -p no:cacheprovider -q -rA \
+    ${GPU_PYTEST_K:+-k "$GPU_PYTEST_K"} 2>&1 |
     tee "$LOG/gpu-tests.log"
 tests=${PIPESTATUS[0]}
 if [ "$tests" -ne 0 ] && [ -z "${GPU_BENCH_ANYWAY:-}" ]; then

@@ -289,31 +289,6 @@ def raw_write(
     return clk.s
 
 
-def _read_files(b: Bench, paths: list[Path], threads: int, window: int, direct: bool) -> None:
-    """Positional reads of every file, `window` bytes each, into aligned buffers."""
-    fds = [os.open(p, os.O_RDONLY | (O_DIRECT if direct else 0)) for p in paths]
-    try:
-        tasks = [
-            (fd, off, min(window, size - off))
-            for fd, size in zip(fds, (p.stat().st_size for p in paths), strict=True)
-            for off in range(0, size, window)
-        ]
-
-        def read(task: tuple[int, int, int]) -> None:
-            fd, off, n = task
-            buf = b.bufs.get()
-            try:
-                if os.preadv(fd, [buf[: -(-n // C.ALIGN) * C.ALIGN]], off) < n:
-                    raise OSError(f"short read at {off}")
-            finally:
-                b.bufs.put(buf)
-
-        pool_map(threads, read, tasks)
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
 def best_cold_read(b: Bench, paths: list[Path], label: str, direct: bool = True) -> float:
     """The fastest of READ_SWEEP (threads x window) cold reads of `paths`, each timed alone
     with the page cache dropped first; every configuration's time goes to the notes."""
@@ -321,7 +296,7 @@ def best_cold_read(b: Bench, paths: list[Path], label: str, direct: bool = True)
     got: dict[str, float] = {}
     for threads, window in READ_SWEEP:
         with Clock(b) as clk:
-            _read_files(b, paths, threads, window, direct)
+            C.read_files(paths, threads, window, b.bufs, direct)
         got[f"{threads} thr x {window // C.MiB} MiB"] = clk.s
         best = min(best, clk.s)
     b.notes.setdefault("floor_sweeps", {}).setdefault(label, []).append(got)
@@ -334,7 +309,7 @@ def raw_read(b: Bench, threads: int, direct: bool) -> float:
     if not ref.exists():
         raw_write(b, 2, True)
     with Clock(b) as clk:
-        _read_files(b, [ref], threads, READ_WINDOW, direct)
+        C.read_files([ref], threads, READ_WINDOW, b.bufs, direct)
     return clk.s
 
 
