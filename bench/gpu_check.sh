@@ -9,8 +9,9 @@
 #
 # Logs and the bench's JSON land in LOGDIR (default bench/results). The full bench is
 # skipped when the tests failed (it would fail the same way; set GPU_BENCH_ANYWAY=1 to run
-# it regardless). GPU_PYTEST_K selects tests (pytest -k; "not quick" leaves out the quick bench
-# run, which the full one covers). Exit status: the tests' if they failed, else the bench's.
+# it regardless). GPU_PYTEST_K selects tests (pytest -k; "not quick" leaves out the quick
+# bench run, which the full one covers). Exit status: the tests' if they failed, else the
+# bench's.
 set -u
 cd "$(dirname "$0")/.."
 LOG=${1:-bench/results}
