@@ -1,7 +1,8 @@
 """The CUDA path: pinned staging on a side stream, CUDA tensors through Checkpointer.save,
 ckpt.load (into CUDA tensors and into {}) and resume, and bench/gpu.py end to end. Marked
-`gpu` (deselected by default; run with -m gpu on a machine with CUDA); without CUDA the
-benchmark exits with its "no CUDA device" message, which the unmarked test checks."""
+`gpu` (deselected by default; run with -m gpu on a machine with CUDA, or bench/gpu_check.sh);
+without CUDA the benchmark exits with its "no CUDA device" message, and bench/gpu_check.sh
+runs through to it, which the unmarked tests check."""
 
 from __future__ import annotations
 
@@ -28,6 +29,21 @@ def test_gpu_bench_without_cuda_exits_with_a_clear_message(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "no CUDA device" in out.stderr
     assert not list(tmp_path.iterdir())  # nothing was written
+
+
+def test_gpu_check_script_runs_the_tests_then_the_bench(tmp_path):
+    """bench/gpu_check.sh, the one script for a lent GPU machine, runs ckptd from the source
+    tree: here, without CUDA, its gpu tests skip and the bench says it measured nothing."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
+    out = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh"), str(tmp_path), "--dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stdout + out.stderr  # the bench's "no CUDA device"
+    assert "available: False" in out.stdout
+    assert "gpu tests rc=0, bench/gpu.py rc=2" in out.stdout
+    assert "skipped" in (tmp_path / "gpu-tests.log").read_text()
+    assert "no CUDA device" in (tmp_path / "gpu-bench.log").read_text()
 
 
 @pytest.mark.gpu
