@@ -16,6 +16,7 @@ import resource
 import shutil
 import statistics
 import subprocess
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -159,6 +160,27 @@ def read_files(
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def best_cold_read(
+    paths: list[Path],
+    sweep: list[tuple[int, int]],
+    bufs: queue.SimpleQueue[np.ndarray],
+    under: str | os.PathLike[str],
+    direct: bool = True,
+) -> tuple[float, dict[str, float]]:
+    """The read floor of `paths`: each (threads, window) of `sweep` reads them all cold
+    (read_files, page cache under `under` dropped first); the fastest time in seconds, and
+    every configuration's."""
+    if not paths:
+        raise AssertionError(f"no files to read under {under}: a floor of nothing")
+    got: dict[str, float] = {}
+    for threads, window in sweep:
+        drop_caches(under)
+        t0 = time.perf_counter()
+        read_files(paths, threads, window, bufs, direct)
+        got[f"{threads} thr x {window // MiB} MiB"] = time.perf_counter() - t0
+    return min(got.values()), got
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

@@ -125,20 +125,6 @@ def h2d_copy(flat: list[tuple[str, torch.Tensor]], host: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-def cold_read_s(paths: list[Path], bufs: queue.SimpleQueue[Any], under: Path) -> float:
-    """The fastest READ_SWEEP configuration's cold read of `paths` (O_DIRECT, the page
-    cache dropped before each); seconds."""
-    if not paths:
-        raise AssertionError(f"no shard files to read under {under}")
-    best = float("inf")
-    for threads, window in READ_SWEEP:
-        C.drop_caches(under)
-        t0 = time.perf_counter()
-        C.read_files(paths, threads, window, bufs)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 class Trainer:
     """A small CUDA training step: an MLP in bf16, forward, backward, AdamW."""
 
@@ -268,7 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             add("train step alone s", statistics.median([trainer.step() for _ in range(10)]))
 
             shards = sorted((work / "ckpt" / step_dir(step) / "shards").glob("*.bin"))
-            add("cold read of the step's shard files GB/s", gb / cold_read_s(shards, bufs, work))
+            floor_s, _ = C.best_cold_read(shards, READ_SWEEP, bufs, work)
+            add("cold read of the step's shard files GB/s", gb / floor_s)
             dst = like(state)
             C.drop_caches(work)
             t0 = time.perf_counter()

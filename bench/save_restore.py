@@ -292,13 +292,7 @@ def raw_write(
 def best_cold_read(b: Bench, paths: list[Path], label: str, direct: bool = True) -> float:
     """The fastest of READ_SWEEP (threads x window) cold reads of `paths`, each timed alone
     with the page cache dropped first; every configuration's time goes to the notes."""
-    best = float("inf")
-    got: dict[str, float] = {}
-    for threads, window in READ_SWEEP:
-        with Clock(b) as clk:
-            C.read_files(paths, threads, window, b.bufs, direct)
-        got[f"{threads} thr x {window // C.MiB} MiB"] = clk.s
-        best = min(best, clk.s)
+    best, got = C.best_cold_read(paths, READ_SWEEP, b.bufs, b.work, direct)
     b.notes.setdefault("floor_sweeps", {}).setdefault(label, []).append(got)
     return best
 
