@@ -17,7 +17,9 @@ through saves, loads and DCP), each figure against its floor or peer from the sa
   load      ckpt.load and Checkpointer.resume into CUDA tensors (read, verify,
             host-to-device) against the cold read of the very shard files they read
             (O_DIRECT, page cache dropped, the best of READ_SWEEP; goal >= 0.85x), and
-            against a plain pinned host-to-device copy_ of the same bytes (info)
+            against a plain pinned host-to-device copy_ of the same bytes (info); the
+            verified blocks go to the device through a small pinned ring, and a second
+            ckpt.load copies them from pageable buffers instead (info: which is faster)
   DCP       dcp.save / dcp.load of the CUDA state through ckpt.integrations.dcp's
             StorageWriter/Reader (GB/s, checked)
 Every load is checked against the saved tensors (torch.equal on the device); a mismatch
@@ -163,6 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import ckpt
     from ckpt.integrations.dcp import StorageReader, StorageWriter
+    from ckptd import knobs
     from ckptd.format.layout import step_dir
 
     t_start = time.perf_counter()
@@ -264,6 +267,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             add("ckpt.load into CUDA tensors GB/s", gb / (time.perf_counter() - t0))
             check_equal(dst, state, "ckpt.load")
             add("pinned copy_ H2D GB/s", gb / h2d_copy(C.flat_tensors(dst), host))
+            # The other way to stream verified blocks to the device: each copied straight
+            # from the reader's pageable buffer (no pinned ring).
+            dst = like(state)
+            C.drop_caches(work)
+            with knobs.override(device_load_ring=0):
+                t0 = time.perf_counter()
+                ckpt.load(dst, work / "ckpt", step=step)
+                torch.cuda.synchronize()
+            add("ckpt.load into CUDA tensors, no pinned ring GB/s", gb / (time.perf_counter() - t0))
+            check_equal(dst, state, "ckpt.load, no pinned ring")
             dst = like(state)
             C.drop_caches(work)
             t0 = time.perf_counter()
@@ -328,6 +341,9 @@ def verdicts(fig: dict[str, list[float]]) -> list[dict[str, Any]]:
          m("cold read of the step's shard files GB/s"), 0.85),
         ("ckpt.load CUDA / pinned H2D copy_ (info)", m("ckpt.load into CUDA tensors GB/s"),
          m("pinned copy_ H2D GB/s"), None),
+        ("ckpt.load CUDA, no pinned ring / cold read (info)",
+         m("ckpt.load into CUDA tensors, no pinned ring GB/s"),
+         m("cold read of the step's shard files GB/s"), None),
     ]  # fmt: skip
     return C.ratio_verdicts(rows)
 

@@ -118,6 +118,12 @@ class Knobs:
     # ranks that need it (ckpt._shared_read), in windows of at most this many bytes in
     # flight per rank; the receivers re-check the blocks they get against the index.
     shared_read: bool = True
+    # A load into CUDA tensors streams each verified block to the device as it is hashed
+    # (ckpt._to_device) through this many bytes of pinned host memory, in slots of
+    # `device_load_slot` (torch's host cache keeps them for the next load); 0: each
+    # block is copied from the reader's pageable buffer, a blocking copy on a side stream.
+    device_load_ring: int = 128 << 20
+    device_load_slot: int = 8 << 20
     shared_window: int = 256 << 20
     verify_received: bool = True
     # Record each floating-point chunk's NaN/Inf counts, sum of squares and max |x| in the
@@ -166,6 +172,8 @@ def _from_env() -> Knobs:
         store_get_size=_env_int("CKPT_STORE_GET_SIZE", d.store_get_size),
         store_get_concurrency=_env_int("CKPT_STORE_GET_CONCURRENCY", d.store_get_concurrency),
         shared_read=_env_bool("CKPT_SHARED_READ", d.shared_read),
+        device_load_ring=_env_int("CKPT_DEVICE_LOAD_RING", d.device_load_ring),
+        device_load_slot=_env_int("CKPT_DEVICE_LOAD_SLOT", d.device_load_slot),
         shared_window=_env_int("CKPT_SHARED_WINDOW", d.shared_window),
         verify_received=_env_bool("CKPT_VERIFY_RECEIVED", d.verify_received),
         health_stats=_env_bool("CKPT_HEALTH_STATS", d.health_stats),

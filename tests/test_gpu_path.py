@@ -13,8 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_testutil import flip_bit
 
 import ckpt
+from ckptd import knobs
+from ckptd.errors import HashMismatch
+from ckptd.format import checkpoint as ckfmt
+from ckptd.storage import open_storage
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -68,6 +73,36 @@ def test_cuda_state_saves_and_loads_through_pinned_staging(job):
     assert torch.equal(dst["b"], state["b"]) and torch.equal(dst["cpu"], state["cpu"])
     out = ckpt.load({}, job, step=1).state  # a load into {} makes CPU tensors
     assert torch.equal(out["w"], saved_w.cpu())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("ring", "slot"), [(128 << 20, 8 << 20), (3 * 4096, 4096), (0, 8 << 20)])
+def test_cuda_load_streams_verified_blocks_and_refuses_a_corrupt_one(job, ring, slot):
+    """Loads into CUDA tensors stream each verified block to the device (through the
+    pinned ring, slots reused, or from pageable buffers): the targets hold the saved bytes;
+    a corrupt block fails the load and never reaches the device."""
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "big": torch.randn(3 << 18, generator=g),  # three 1 MiB hash blocks
+        "bf16": torch.randn(1000, 33, generator=g).to(torch.bfloat16),
+        "flags": torch.rand(5000, generator=g) > 0.5,
+    }
+    ckpt.save(state, job, step=1)
+    # Queued on the default stream before the load: the copies must come after it.
+    dst = {k: torch.empty_like(v, device="cuda").fill_(3) for k, v in state.items()}
+    with knobs.override(device_load_ring=ring, device_load_slot=slot):
+        ckpt.load(dst, job, step=1)
+        for k, v in state.items():
+            assert torch.equal(dst[k].cpu(), v), k
+        ck = ckfmt.open_checkpoint(open_storage(job), 1)
+        [chunk] = ck.chunks["big"]
+        flip_bit(f"{job}/{ck.shard_path(chunk.shard)}", chunk.entry.offset + (1 << 20) + 7)
+        dst["big"].fill_(5)
+        with pytest.raises(HashMismatch, match=r"key 'big' block 1 "):
+            ckpt.load(dst, job, step=1, fallback=False)
+    got = dst["big"].view(3, 1 << 18).cpu()
+    assert torch.equal(got[1], torch.full((1 << 18,), 5.0))
 
 
 @pytest.mark.gpu

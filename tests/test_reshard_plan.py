@@ -22,7 +22,7 @@ from ckptd import knobs
 from ckptd.errors import HashMismatch
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing
-from ckptd.format.boxes import BoxRead, plan_box, read_boxes
+from ckptd.format.boxes import BoxRead, contiguous_box, plan_box, read_boxes
 from ckptd.format.manifest import Manifest
 from ckptd.format.reshard import Overlap, intersect, range_boxes
 from ckptd.format.writer import WriteItem, write_shard
@@ -187,6 +187,55 @@ def test_any_box_of_any_split_reads_back_exactly(tmp_path_factory, shape, data, 
     read_boxes(ck, [BoxRead("t", off, size, out.view(np.uint8))])
     want = full[tuple(slice(o, o + n) for o, n in zip(off, size, strict=True))]
     assert np.array_equal(out.reshape(size), want)
+
+
+class _Dest:
+    """A ByteDest over host bytes, as a device tensor's would be: it records each write."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.got = np.zeros(nbytes, dtype=np.uint8)
+        self.written = 0
+
+    def write(self, at: int, data: np.ndarray) -> None:
+        assert 0 <= at and at + data.nbytes <= self.nbytes
+        self.got[at : at + data.nbytes] = data
+        self.written += data.nbytes
+
+
+@given(
+    shape=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    data=st.data(),
+    block=st.sampled_from([4096, 8192]),
+)
+def test_a_contiguous_box_reads_through_a_byte_dest(tmp_path_factory, shape, data, block):
+    """A box every saved chunk fills in one run (a dim-0 slice, any split on dim 0) goes to
+    a ByteDest as verified runs, each byte once; a box filled in strided runs is refused."""
+    cuts = (
+        [sorted(data.draw(st.sets(st.integers(1, shape[0] - 1), max_size=2)))]
+        if shape[0] > 1
+        else [[]]
+    )
+    cuts += [[] for _ in shape[1:]]
+    lo = data.draw(st.integers(0, shape[0] - 1))
+    rows = data.draw(st.integers(1, shape[0] - lo))
+    off, size = [lo, *(0 for _ in shape[1:])], [rows, *shape[1:]]
+    root = tmp_path_factory.mktemp("split")
+    storage, full = write_split(root, shape, cuts, block)
+    ck = ckfmt.open_checkpoint(storage)
+    assert contiguous_box(ck, "t", off, size)
+    dest = _Dest(math.prod(size) * 4)
+    read_boxes(ck, [BoxRead("t", off, size, dest)])
+    assert dest.written == dest.nbytes
+    assert np.array_equal(dest.got.view(np.float32).reshape(size), full[lo : lo + rows])
+
+
+def test_a_strided_box_is_refused_by_a_byte_dest(tmp_path):
+    storage, _ = write_split(tmp_path, [8, 16], [[], []], 4096)
+    ck = ckfmt.open_checkpoint(storage)
+    assert not contiguous_box(ck, "t", [0, 4], [8, 4])  # a column slice: 8 runs
+    with pytest.raises(ValueError, match="key 't'.*strided runs, which only a host buffer"):
+        read_boxes(ck, [BoxRead("t", [0, 4], [8, 4], _Dest(8 * 4 * 4))])
 
 
 def big_rows(tmp_path: Path, block: int = 4096) -> tuple:

@@ -17,7 +17,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,12 +29,26 @@ from ckptd.format.reader import EntryRead, covering_blocks, read_entries
 from ckptd.format.reshard import Overlap, intersect
 
 
+class ByteDest(Protocol):
+    """A box's bytes where numpy cannot write them (a device tensor's memory): verified
+    bytes are handed over as they are hashed, one contiguous run at a time. Only a box
+    whose every overlap with a saved chunk is one contiguous run can have one
+    (`contiguous_box`)."""
+
+    nbytes: int
+
+    def write(self, at: int, data: np.ndarray) -> None:
+        """Put `data` at byte `at` of the box; `data` is reused once this returns."""
+        ...
+
+
 @dataclasses.dataclass
 class BoxRead:
     key: str
     offsets: Sequence[int]
     sizes: Sequence[int]
-    out: np.ndarray  # uint8, C-contiguous bytes of the box (numel * itemsize)
+    # The C-contiguous bytes of the box (numel * itemsize): a uint8 array, or a ByteDest.
+    out: np.ndarray | ByteDest
 
 
 def saved_entry(ck: OpenCheckpoint, key: str) -> IndexEntry:
@@ -116,6 +130,14 @@ def overlap_of(
     return Overlap(src_offsets, src_sizes, dst_offsets, dst_sizes, itemsize)
 
 
+def contiguous_box(
+    ck: OpenCheckpoint, key: str, offsets: Sequence[int], sizes: Sequence[int]
+) -> bool:
+    """Whether every saved chunk's overlap with the box is one contiguous run of it (the
+    whole tensor, or a dim-0 slice, saved either way): then a ByteDest can take it."""
+    return all(ov.contiguous for _, ov in plan_box(ck, key, offsets, sizes))
+
+
 @dataclasses.dataclass
 class ShardReads:
     """What a set of boxes needs from one shard file: its reads and where each one goes."""
@@ -145,11 +167,17 @@ def plan_boxes(ck: OpenCheckpoint, boxes: Sequence[BoxRead]) -> BoxPlan:
     for box in boxes:
         entry = saved_entry(ck, box.key)
         need = math.prod(box.sizes) * dtypes.itemsize(entry.dtype)
-        if box.out.dtype != np.uint8 or box.out.nbytes != need:
+        host, dest = (box.out, None) if isinstance(box.out, np.ndarray) else (None, box.out)
+        if (host is not None and host.dtype != np.uint8) or box.out.nbytes != need:
             raise ValueError(f"key {box.key!r}: the buffer for the box must be {need} bytes")
         for chunk, ov in plan_box(ck, box.key, box.offsets, box.sizes):
+            if host is None and not ov.contiguous:
+                raise ValueError(
+                    f"key {box.key!r}: a saved chunk in {chunk.shard.path} fills the box in "
+                    "strided runs, which only a host buffer can take"
+                )
             ranges = None if ov.whole else ov.ranges(block)
-            whole = ov.whole and ranges is None
+            whole = host is not None and ov.whole and ranges is None
             # Each stored piece of the entry (its own shard, an earlier step's it borrows
             # from, or, blocks of it borrowed, several): ck.pieces, the one rule.
             for shard_no, piece in ck.pieces(chunk.entry):
@@ -161,9 +189,14 @@ def plan_boxes(ck: OpenCheckpoint, boxes: Sequence[BoxRead]) -> BoxPlan:
                 if reads is None:
                     reads = per_shard[path] = ShardReads(shard_no, path, [], [])
                 reads.reads.append(EntryRead(piece, sub))
-                reads.sinks.append(functools.partial(_copy_piece, ov, box.out, piece.start))
                 at = ov.dst_start + piece.start
-                reads.into.append(box.out[at : at + piece.length] if whole else None)
+                if dest is None:
+                    assert host is not None
+                    reads.sinks.append(functools.partial(_copy_piece, ov, host, piece.start))
+                    reads.into.append(host[at : at + piece.length] if whole else None)
+                else:
+                    reads.sinks.append(functools.partial(_write_piece, ov, dest, piece.start))
+                    reads.into.append(None)
                 if sub is None:
                     total += piece.length  # every block of it
                     continue
@@ -187,6 +220,14 @@ def _piece_ranges(
 def _copy_piece(ov: Overlap, out: np.ndarray, start: int, at: int, data: np.ndarray) -> None:
     """A piece's verified bytes at `at` inside it are the entry's bytes at start + at."""
     ov.copy(out, start + at, data)
+
+
+def _write_piece(ov: Overlap, out: ByteDest, start: int, at: int, data: np.ndarray) -> None:
+    """_copy_piece for a ByteDest (the overlap is one contiguous run)."""
+    run = ov.run_in(start + at, data.nbytes)
+    if run is not None:
+        dst, lo, hi = run
+        out.write(dst, data[lo:hi])
 
 
 def read_planned(

@@ -194,6 +194,17 @@ class Overlap:
             for f, e in zip(firsts, lasts, strict=True)
         ]
 
+    def run_in(self, start: int, n: int) -> tuple[int, int, int] | None:
+        """A contiguous overlap's bytes among saved bytes [start, start+n): (where they go
+        in the destination, [lo, hi) of them in those n bytes); None: none of them."""
+        if not self.contiguous:
+            raise ValueError("run_in: the overlap is not one contiguous run")
+        a = max(start, self.src_start)
+        b = min(start + n, self.src_start + self.nbytes)
+        if b <= a:
+            return None
+        return self.dst_start + (a - self.src_start), a - start, b - start
+
     def copy(self, dst: np.ndarray, start: int, data: np.ndarray) -> int:
         """Copy the overlap's bytes that lie in saved bytes [start, start+len(data)) into dst.
 
@@ -202,12 +213,11 @@ class Overlap:
         """
         end = start + data.nbytes
         if self.contiguous:
-            a = max(start, self.src_start)
-            b = min(end, self.src_start + self.nbytes)
-            if b <= a:
+            run = self.run_in(start, data.nbytes)
+            if run is None:
                 return 0
-            at = self.dst_start + (a - self.src_start)
-            copy_into(dst[at : at + (b - a)], data[a - start : b - start])
+            at, a, b = run
+            copy_into(dst[at : at + (b - a)], data[a:b])
             return b - a
         done = 0
         for blo, bhi in range_boxes(self.src_shape, start, end):
