@@ -4,10 +4,13 @@ A `BoxRead` asks for the box [offsets, offsets+sizes) of one key's global tensor
 written C-contiguous into a byte buffer. `plan_box` finds the saved chunks that overlap
 it (and proves they cover it exactly once); `plan_boxes` groups the overlaps by shard
 file (each saved entry's stored pieces, OpenCheckpoint.pieces: an entry that borrows some
-blocks is read from several files), and `read_planned` (`read_boxes` does both) reads the hash blocks that cover them (ckptd.format.reader: parallel, each block
-verified before use) and copies every overlap from the I/O buffer into its destination
-(ckptd.format.reshard). The client's load (ckpt._restore) and `ckptctl restore` both
-read through here; neither knows about blocks or shards.
+blocks is read from several files), and `read_planned` (`read_boxes` does both) reads
+the hash blocks that cover them (ckptd.format.reader: parallel, each block verified
+before use) and copies every overlap from the I/O buffer into its destination
+(ckptd.format.reshard). A box whose bytes numpy cannot reach (a CUDA tensor) is a
+`ByteDest` instead: every verified run is handed to it as it is hashed. The client's load
+(ckpt._restore) and `ckptctl restore` both read through here; neither knows about blocks
+or shards.
 """
 
 from __future__ import annotations
