@@ -16,6 +16,7 @@ from ckpt_testutil import flip_bit
 
 import ckpt
 import ckpt._restore as restore
+import ckpt._to_device as to_device
 from ckpt._to_device import DeviceWrites
 from ckptd import knobs
 from ckptd.errors import HashMismatch
@@ -37,9 +38,9 @@ def streamed(monkeypatch):
 
     monkeypatch.setattr(restore, "readable_in_place", lambda t, dtype: False)
     monkeypatch.setattr(
-        restore, "streams_to", lambda t, dtype: t.dtype == dtype and t.is_contiguous()
+        to_device, "streams_to", lambda t, dtype: t.dtype == dtype and t.is_contiguous()
     )
-    monkeypatch.setattr(restore, "DeviceWrites", Recorded)
+    monkeypatch.setattr(to_device, "DeviceWrites", Recorded)
     return made
 
 
@@ -143,3 +144,20 @@ def test_the_ring_waits_for_a_slot_when_every_one_is_taken():
     assert torch.equal(dst, src)
     assert writes.copied == dst.numel()
     assert writes._made == 2
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dcp_load_through_ckptd_streams_too(tmp_path, streamed):
+    """DCP's reader (ckpt.integrations.dcp) hands device targets the same way."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt.integrations.dcp import StorageReader, StorageWriter
+
+    state = _state()
+    del state["empty"]
+    dcp.save(state, storage_writer=StorageWriter(tmp_path / "job", step=1), no_dist=True)
+    dst = {k: torch.full_like(v, 3) for k, v in state.items()}
+    dcp.load(dst, storage_reader=StorageReader(tmp_path / "job", step=1), no_dist=True)
+    for k, v in state.items():
+        assert torch.equal(dst[k], v), k
+    assert sum(w.copied for w in streamed) == _nbytes(state)

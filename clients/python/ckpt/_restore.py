@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ckpt._flatten import PerRank, is_stateful, readable_in_place, tensor_bytes
-from ckpt._to_device import DeviceWrites, streams_to
+from ckpt._to_device import DeviceLoads
 from ckptd.errors import InvalidManifest, StateMismatch
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import dtypes, layout, values
@@ -46,7 +46,6 @@ from ckptd.format.boxes import (
     BoxPlan,
     BoxRead,
     ByteDest,
-    contiguous_box,
     plan_boxes,
     read_boxes,
     saved_entry,
@@ -207,7 +206,7 @@ class Planner:
         )
         self.bases: dict[str, torch.UntypedStorage] = {}
         self._box_plan: BoxPlan | None = None
-        self.devices: dict[torch.device, DeviceWrites] = {}
+        self.devices = DeviceLoads()
 
     def _file_phase(self, key: str) -> int:
         """Where a key's bytes start in a page of its shard file (a version-5 shard's
@@ -451,12 +450,11 @@ class Planner:
             t = target.detach()
             self.dests[key] = _Dest(key, t, tensor_bytes(t), offsets, sizes)
             return
-        if direct and streams_to(target, dtype) and contiguous_box(self.ckpt, key, offsets, sizes):
-            t = target.detach()
-            writes = self.devices.get(t.device)
-            if writes is None:
-                writes = self.devices[t.device] = DeviceWrites(t.device)
-            self.dests[key] = _Dest(key, t, writes.dest(t), offsets, sizes)
+        streamed = (
+            self.devices.dest(self.ckpt, key, target, dtype, offsets, sizes) if direct else None
+        )
+        if streamed is not None:
+            self.dests[key] = _Dest(key, target.detach(), streamed, offsets, sizes)
             return
         # Staged in a CPU tensor, then copied into the target (a blocking copy_; for a
         # device target, host-to-device: a cast, or a box filled in strided runs, such as
@@ -576,8 +574,7 @@ class Planner:
         try:
             total = reads(self.box_plan())
         finally:
-            for writes in self.devices.values():
-                writes.finish()
+            self.devices.finish()
         for fn in self.mutations:
             fn()
         for fn in self.after_read:

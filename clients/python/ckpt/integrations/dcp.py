@@ -95,6 +95,7 @@ from ckpt._flatten import readable_in_place, tensor_bytes
 from ckpt._load import load_from_tiers
 from ckpt._restore import LoadResult
 from ckpt._results import check_metadata
+from ckpt._to_device import DeviceLoads
 from ckpt.integrations import _commit, _coordinator
 from ckpt.integrations import _dcp_alone as _alone
 from ckpt.integrations import _dcp_manifest as dm
@@ -414,6 +415,7 @@ class StorageReader(_DCPReader):
             raise CkptError(f"{self._where}: read_data() before read_metadata()")
         boxes: list[BoxRead] = []
         done: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None]] = []
+        devices = DeviceLoads()  # CUDA targets take each verified block as it is hashed
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
@@ -428,12 +430,21 @@ class StorageReader(_DCPReader):
             saved = dtypes.from_name(ck.chunks[key][0].entry.dtype)
             chunk_off = item.storage_index.offset or torch.Size([0] * len(item.lengths))
             box_off = [a + b for a, b in zip(chunk_off, item.storage_offsets, strict=True)]
-            direct = readable_in_place(dest, saved) and list(dest.shape) == list(item.lengths)
+            shaped = list(dest.shape) == list(item.lengths)
+            streamed = devices.dest(ck, key, dest, saved, box_off, item.lengths) if shaped else None
+            if streamed is not None:
+                boxes.append(BoxRead(key, box_off, list(item.lengths), streamed))
+                done.append((item, dest, None))
+                continue
+            direct = readable_in_place(dest, saved) and shaped
             buf = dest if direct else torch.empty(list(item.lengths), dtype=saved)
             boxes.append(BoxRead(key, box_off, list(item.lengths), tensor_bytes(buf)))
             done.append((item, dest, None if direct else buf))
         try:
-            read_boxes(ck, boxes, threads=self.io_threads)
+            try:
+                read_boxes(ck, boxes, threads=self.io_threads)
+            finally:
+                devices.finish()
         except CorruptCheckpoint as e:
             raise type(e)(
                 f"{self._where}: DCP load through ckptd failed verification: {e}. Nothing "
