@@ -80,28 +80,30 @@ def test_streamed_load_fills_every_target(job, streamed, ring, slot):
     assert writes.copied == _nbytes(state)  # each byte once, through the streaming path
 
 
+def _load_box(job: str, full: torch.Tensor, offsets: tuple, sizes: tuple) -> torch.Tensor:
+    """The box of saved tensor `full` (key "t") loaded by the planner into a new target,
+    as a rank of another world size wants its shard."""
+    ckpt.save({"t": full}, job, step=1)
+    ck = ckfmt.open_checkpoint(open_storage(job), 1)
+    planner = restore.Planner(ck)
+    part = torch.zeros(sizes, dtype=full.dtype)
+    planner._into("t", part, full.dtype, offsets, sizes)
+    planner.read(lambda plan: read_planned(ck, plan))
+    return part
+
+
 def test_streamed_load_of_a_dim0_slice_reads_each_saved_run(job, streamed):
     """A box filled in one run of each saved chunk (a dim-0 shard loaded at another world
     size) streams too; the blocks it covers past the box are verified, not copied."""
     full = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)  # 4 KiB rows
-    ckpt.save({"t": full}, job, step=1)
-    ck = ckfmt.open_checkpoint(open_storage(job), 1)
-    planner = restore.Planner(ck)
-    part = torch.zeros(20, 1024)
-    planner._into("t", part, torch.float32, (10, 0), (20, 1024))
-    planner.read(lambda plan: read_planned(ck, plan))
+    part = _load_box(job, full, (10, 0), (20, 1024))
     assert torch.equal(part, full[10:30])
     assert streamed[0].copied == part.numel() * 4
 
 
 def test_a_strided_box_is_staged_not_streamed(job, streamed):
     full = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8)
-    ckpt.save({"t": full}, job, step=1)
-    ck = ckfmt.open_checkpoint(open_storage(job), 1)
-    planner = restore.Planner(ck)
-    cols = torch.zeros(16, 4)
-    planner._into("t", cols, torch.float32, (0, 4), (16, 4))
-    planner.read(lambda plan: read_planned(ck, plan))
+    cols = _load_box(job, full, (0, 4), (16, 4))
     assert torch.equal(cols, full[:, 4:])
     assert not streamed  # a column slice goes through a host buffer
 

@@ -102,16 +102,16 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return flat_view(t).view(torch.uint8).numpy()
 
 
+def takes_stored_bytes(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether stored bytes of `dtype` are `t`'s memory as they are (its dtype, dense and
+    in order, no conj/neg bit), wherever it lives."""
+    return t.dtype == dtype and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
 def readable_in_place(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether stored bytes of `dtype` can be read straight into `t`'s memory (no staging
     buffer): tensor_bytes(t) is then a view of it, not a copy."""
-    return (
-        t.device.type == "cpu"
-        and t.dtype == dtype
-        and t.is_contiguous()
-        and not t.is_conj()
-        and not t.is_neg()
-    )
+    return t.device.type == "cpu" and takes_stored_bytes(t, dtype)
 
 
 def flat_view(t: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt._flatten import flat_view
+from ckpt._flatten import flat_view, takes_stored_bytes
 from ckptd import knobs
 from ckptd.format.boxes import contiguous_box
 from ckptd.format.checkpoint import OpenCheckpoint
@@ -39,13 +39,7 @@ from ckptd.format.checkpoint import OpenCheckpoint
 
 def streams_to(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a load target takes its stored bytes of `dtype` streamed to its device."""
-    return (
-        t.device.type == "cuda"
-        and t.dtype == dtype
-        and t.is_contiguous()
-        and not t.is_conj()
-        and not t.is_neg()
-    )
+    return t.device.type == "cuda" and takes_stored_bytes(t, dtype)
 
 
 class DeviceLoads:
