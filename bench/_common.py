@@ -288,6 +288,15 @@ def _git(*args: str) -> str:
         return ""
 
 
+def thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "?"
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
+
+
 def machine_info(work_dir: Path) -> dict[str, Any]:
     import blake3
 
@@ -307,6 +316,11 @@ def machine_info(work_dir: Path) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        # Transparent huge pages: the kernel's mode, and whether torch's CPU allocator asks
+        # for them (its THP_MEM_ALLOC_ENABLE): O_DIRECT writes from 2 MiB pages go to the
+        # device in fewer, larger requests (docs/configuration.md, Host settings).
+        "thp": thp_mode(),
+        "torch_thp_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "") == "1",
         "numpy": np.__version__,
         "blake3": getattr(blake3, "__version__", "?"),
         "work_dir": str(work_dir),

@@ -952,7 +952,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"state: {desc['tensors']} tensors, {b.nbytes / C.GB:.3f} GB (hidden {desc['hidden']}, "
         f"largest tensor {desc['largest_tensor_bytes'] / C.GB:.3f} GB), "
-        f"built in {time.perf_counter() - t0:.1f} s; work dir {work}",
+        f"built in {time.perf_counter() - t0:.1f} s; work dir {work}; transparent huge "
+        f"pages {C.thp_mode()}, torch's CPU allocator "
+        f"{'asks for them' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else 'does not'}"
+        " (THP_MEM_ALLOC_ENABLE)",
         flush=True,
     )
 
