@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptd.storage.local import map_populated
+from ckptd.storage.local import map_populated, thp_mode
 
 GB = 1e9
 MiB = 1 << 20
@@ -288,13 +288,10 @@ def _git(*args: str) -> str:
         return ""
 
 
-def thp_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            text = f.read()
-    except OSError:
-        return "?"
-    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
+def torch_thp_alloc() -> bool:
+    """Whether torch's CPU allocator asks for huge pages in this process (it reads
+    THP_MEM_ALLOC_ENABLE at its first allocation)."""
+    return os.environ.get("THP_MEM_ALLOC_ENABLE", "") == "1"
 
 
 def machine_info(work_dir: Path) -> dict[str, Any]:
@@ -319,8 +316,8 @@ def machine_info(work_dir: Path) -> dict[str, Any]:
         # Transparent huge pages: the kernel's mode, and whether torch's CPU allocator asks
         # for them (its THP_MEM_ALLOC_ENABLE): O_DIRECT writes from 2 MiB pages go to the
         # device in fewer, larger requests (docs/configuration.md, Host settings).
-        "thp": thp_mode(),
-        "torch_thp_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "") == "1",
+        "thp": thp_mode() or "absent",
+        "torch_thp_alloc": torch_thp_alloc(),
         "numpy": np.__version__,
         "blake3": getattr(blake3, "__version__", "?"),
         "work_dir": str(work_dir),

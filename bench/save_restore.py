@@ -953,8 +953,8 @@ def main(argv: list[str] | None = None) -> int:
         f"state: {desc['tensors']} tensors, {b.nbytes / C.GB:.3f} GB (hidden {desc['hidden']}, "
         f"largest tensor {desc['largest_tensor_bytes'] / C.GB:.3f} GB), "
         f"built in {time.perf_counter() - t0:.1f} s; work dir {work}; transparent huge "
-        f"pages {C.thp_mode()}, torch's CPU allocator "
-        f"{'asks for them' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else 'does not'}"
+        f"pages {C.thp_mode() or 'absent'}, torch's CPU allocator "
+        f"{'asks for them' if C.torch_thp_alloc() else 'does not'}"
         " (THP_MEM_ALLOC_ENABLE)",
         flush=True,
     )

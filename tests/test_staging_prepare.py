@@ -63,15 +63,6 @@ def test_map_populated_gives_zeroed_writable_pages(monkeypatch, madvise):
         mm.close()
 
 
-def _thp_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            text = f.read()
-    except OSError:
-        return ""
-    return text[text.find("[") + 1 : text.find("]")]
-
-
 def _smaps_field(address: int, field: str) -> str | None:
     """The smaps `field` of the mapping that holds `address` in this process."""
     found = False
@@ -91,8 +82,8 @@ def test_o_direct_buffers_ask_for_huge_pages():
     # into scattered 4 KiB pages a 32 MiB O_DIRECT read went as ~1 MiB requests and a
     # verify ran at 0.6 of a cold read of the same file; so the pooled read buffers and
     # the staging image (map_populated) are advised MADV_HUGEPAGE, like the bounce buffers.
-    if _thp_mode() != "madvise":
-        pytest.skip(f"transparent huge pages are {_thp_mode() or 'absent'!r}, not 'madvise'")
+    if local.thp_mode() != "madvise":
+        pytest.skip(f"transparent huge pages are {local.thp_mode() or 'absent'!r}, not 'madvise'")
     mm, buf = local.map_populated(4 << 20)
     try:
         assert _smaps_field(buf.ctypes.data, "THPeligible") == "1"

@@ -82,6 +82,17 @@ def map_populated(size: int) -> tuple[mmap.mmap, np.ndarray]:
     return mm, buf
 
 
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode ("always", "madvise", "never"); "" where
+    the kernel has none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
+
+
 def _advise_huge(mm: mmap.mmap) -> None:
     """Ask for transparent huge pages (THP "madvise", the common default) for memory that
     O_DIRECT transfers go to or from: a request to the device carries at most

@@ -74,10 +74,6 @@ class DeviceLoads:
         for writes in self._writes.values():
             writes.finish()
 
-    @property
-    def copied(self) -> int:
-        return sum(w.copied for w in self._writes.values())
-
 
 class _Dest:
     """One target's bytes on its device (a ckptd.format.boxes.ByteDest)."""
@@ -97,7 +93,6 @@ class DeviceWrites:
 
     def __init__(self, device: torch.device):
         k = knobs.get()
-        self.device = device
         cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if cuda else None
         if self._stream is not None:
