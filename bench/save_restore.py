@@ -54,7 +54,12 @@ WRITE_SWEEP = [(2, 8 * C.MiB), (4, 8 * C.MiB), (2, 32 * C.MiB), (4, 32 * C.MiB)]
 FULL_READ_SWEEP = [(t, w * C.MiB) for t in (1, 2, 4, 8) for w in (8, 16, 32, 64)]
 FULL_WRITE_SWEEP = [(t, w * C.MiB) for t in (1, 2, 4, 8) for w in (8, 16, 32, 64)]
 MAX_WINDOW = 64 * C.MiB
-TRAIN_S = 3.0  # "training" between resume and the first save, in the stall methods
+# "Training" between resume and the first save, in the stall methods. Resume starts mapping
+# the staging image then; on this VM fresh memory costs 1.3-2.4 s a GB to fault in (the
+# hypervisor backs each page on first touch), so 2.1 GB took 2.8-4.7 s and a 3 s stand-in
+# made the first save wait for it (SaveResult.image_wait_s, recorded in the notes). A real
+# loop trains for minutes before its first save.
+TRAIN_S = 8.0
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -724,7 +729,8 @@ def stall_first(b: Bench) -> float:
     time.sleep(TRAIN_S)
     os.sync()
     pending = cp.save(b.state, 1)
-    pending.wait()
+    result = pending.wait()
+    b.notes.setdefault("first_save_image_wait_s", []).append(result.image_wait_s)
     return pending.blocking_s
 
 

@@ -269,7 +269,9 @@ class Checkpointer:
             # stages into one of its own (ckpt._memory; they never wait for each other).
             shared = self._memory is None or not self._memory.holds_shared
             image = self._image if shared else HostImage()
+            waited = image.waited_s
             job = SaveJob(self.storage, ref, node, meta, options or self.options, leaves, image)
+            image_wait_s = image.waited_s - waited
         except BaseException as e:
             if image is not None:
                 self._release_own(image)
@@ -286,6 +288,7 @@ class Checkpointer:
         begun = self._begin(job, self._parent) if job.over_budget else None
         pending = PendingSave(step)
         pending.timings.staging_s = staging_s
+        pending.timings.image_wait_s = image_wait_s
         pending.timings.blocking_s = time.perf_counter() - t0
         pending.bytes = job.held_bytes
         self._inflight = pending

@@ -21,6 +21,7 @@ from ckpt._results import SaveResult
 class SaveTimings:
     blocking_s: float = 0.0  # what the training loop waited for (flatten + staging)
     staging_s: float = 0.0  # the copy into host memory
+    image_wait_s: float = 0.0  # of staging_s, the wait for the staging buffer to be mapped
     persist_s: float = 0.0  # hashing, planning, writing, verifying (background)
     commit_s: float = 0.0  # from this rank's report to COMMITTED
 

@@ -23,6 +23,7 @@ import ctypes
 import mmap
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +51,9 @@ class HostImage:
         self._pin_failed = False
         self._preparing: threading.Thread | None = None
         self.allocated_on: str | None = None  # the thread that mapped the buffer in use
+        # Seconds callers have waited, in all, for a background preparation to finish: a
+        # save that came before its buffer was mapped (SaveResult.image_wait_s).
+        self.waited_s = 0.0
 
     @property
     def capacity(self) -> int:
@@ -81,7 +85,9 @@ class HostImage:
     def wait_prepared(self) -> None:
         t = self._preparing
         if t is not None and t is not threading.current_thread():
+            t0 = time.perf_counter()
             t.join()
+            self.waited_s += time.perf_counter() - t0
             self._preparing = None
 
     def ensure(self, size: int) -> np.ndarray:
