@@ -611,6 +611,66 @@ def floor_overwrite_pool(b: Bench) -> float:
     return best
 
 
+def tensor_spans(b: Bench, window: int) -> list[tuple[int, list[memoryview]]]:
+    """The state's tensors laid out where their memory lies in its page (as a one-shot save
+    lays out large ones, format version 5), each tensor's whole pages written straight from
+    its memory: O_DIRECT windows of at most `window` bytes, (file offset, the runs of memory
+    it takes). The bytes before a tensor's first byte in its first page, and after its last
+    in its last page, are whatever that memory holds (padding, in a floor)."""
+    out: list[tuple[int, list[memoryview]]] = []
+    cur: list[memoryview] = []
+    cur_off = cur_len = end = 0
+    for _, t in b.flat:
+        addr = t.data_ptr()
+        lo = addr - addr % C.ALIGN
+        hi = -(-(addr + t.nbytes) // C.ALIGN) * C.ALIGN
+        for a in range(lo, hi, window):
+            n = min(window, hi - a)
+            if cur and (cur_len + n > window or len(cur) == 512):  # IOV_MAX is 1024
+                out.append((cur_off, cur))
+                cur, cur_len = [], 0
+            if not cur:
+                cur_off = end
+            cur.append(memoryview((ctypes.c_char * n).from_address(a)).cast("B"))
+            cur_len += n
+            end += n
+    if cur:
+        out.append((cur_off, cur))
+    return out
+
+
+@method("floor", "floor (info): overwrite the pool's file from the tensors' memory, best")
+def floor_overwrite_pool_from_tensors(b: Bench) -> float:
+    """As the pool overwrite floor, but from the tensors' own memory, no copy (what a
+    one-shot save writes from; torch leaves it in 4 KiB pages unless THP_MEM_ALLOC_ENABLE
+    is set, and a device request then carries fewer bytes): the part of the gap between the
+    recycled save and its floor that is the memory, not ckpt."""
+    job, _ = _recycled_job(b)
+    (pool_file,) = _pool_files(job)
+    best = float("inf")
+    got = {}
+    for threads, window in WRITE_SWEEP:
+        spans = tensor_spans(b, window)
+        with Clock(b) as clk:
+            fd = os.open(pool_file, os.O_WRONLY | O_DIRECT)
+            try:
+                pool_map(threads, lambda w, fd=fd: _pwritev_all(fd, w[1], w[0]), spans)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        got[f"{threads} thr x {window // C.MiB} MiB"] = clk.s
+        best = min(best, clk.s)
+    b.notes.setdefault("floor_sweeps", {}).setdefault("pool overwrite from tensors", []).append(got)
+    return best
+
+
+def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
+    want = sum(v.nbytes for v in views)
+    done = os.pwritev(fd, views, offset)
+    if done != want:
+        raise OSError(f"short write at {offset}: {done} of {want} bytes")
+
+
 @method("ckpt", "ckpt save(verify=size, recycled)")
 def ckpt_save_recycled(b: Bench) -> float:
     """Periodic checkpointing with keep_last=1: each save overwrites the blocks of the
@@ -836,6 +896,9 @@ def ratios(
     read_floor = min(shard_read, blake2)
     write_read = med.get("floor: write new file + cold read it back, O_DIRECT, best", nan)
     pool_write = med.get("floor: overwrite the recycle pool's file, O_DIRECT, best", nan)
+    pool_from_tensors = med.get(
+        "floor (info): overwrite the pool's file from the tensors' memory, best", nan
+    )
     save = med.get("ckpt save(verify=size)", nan)
     pre = med.get("ckpt save(verify=size, preallocate)", nan)
     rec = med.get("ckpt save(verify=size, recycled)", nan)
@@ -884,6 +947,20 @@ def ratios(
             "  its CPU: cores / the recycled save's CPU seconds, over the same floor",
             cpu_rec,
             pool_write,
+            None,
+        ),
+        # The same overwrite from the tensors' own memory (4 KiB pages unless torch is told
+        # to ask for huge pages): how much of the gap above is where the bytes lie.
+        (
+            "  the same overwrite from the tensors' memory / from a huge-page image",
+            pool_from_tensors,
+            pool_write,
+            None,
+        ),
+        (
+            "  recycled save / that overwrite from the tensors' memory",
+            rec,
+            pool_from_tensors,
             None,
         ),
         (
