@@ -591,23 +591,38 @@ def floor_overwrite_pool(b: Bench) -> float:
     # their memory (format version 5), a few pages of padding more (0.02% here).
     if not b.size <= size <= b.size * 1.01:
         raise AssertionError(f"pool file {size} bytes, the raw layout {b.size}")
+    return _overwrite_sweep(
+        b,
+        pool_file,
+        "pool overwrite",
+        b.windows_of,
+        lambda fd, w: _write_window(b, fd, True, True, w),
+    )
+
+
+def _overwrite_sweep(
+    b: Bench,
+    path: Path,
+    note: str,
+    windows: Callable[[int], list[Any]],
+    write: Callable[[int, Any], None],
+) -> float:
+    """Overwrite `path` (O_DIRECT, fsync) in each WRITE_SWEEP configuration, `windows(size)`
+    each through `write(fd, window)`; the fastest time, every one in the notes."""
     best = float("inf")
     got = {}
     for threads, window in WRITE_SWEEP:
+        todo = windows(window)
         with Clock(b) as clk:
-            fd = os.open(pool_file, os.O_WRONLY | O_DIRECT)
+            fd = os.open(path, os.O_WRONLY | O_DIRECT)
             try:
-                pool_map(
-                    threads,
-                    lambda w, fd=fd: _write_window(b, fd, True, True, w),
-                    b.windows_of(window),
-                )
+                pool_map(threads, lambda w, fd=fd: write(fd, w), todo)
                 os.fsync(fd)
             finally:
                 os.close(fd)
         got[f"{threads} thr x {window // C.MiB} MiB"] = clk.s
         best = min(best, clk.s)
-    b.notes.setdefault("floor_sweeps", {}).setdefault("pool overwrite", []).append(got)
+    b.notes.setdefault("floor_sweeps", {}).setdefault(note, []).append(got)
     return best
 
 
@@ -647,21 +662,13 @@ def floor_overwrite_pool_from_tensors(b: Bench) -> float:
     recycled save and its floor that is the memory, not ckpt."""
     job, _ = _recycled_job(b)
     (pool_file,) = _pool_files(job)
-    best = float("inf")
-    got = {}
-    for threads, window in WRITE_SWEEP:
-        spans = tensor_spans(b, window)
-        with Clock(b) as clk:
-            fd = os.open(pool_file, os.O_WRONLY | O_DIRECT)
-            try:
-                pool_map(threads, lambda w, fd=fd: _pwritev_all(fd, w[1], w[0]), spans)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        got[f"{threads} thr x {window // C.MiB} MiB"] = clk.s
-        best = min(best, clk.s)
-    b.notes.setdefault("floor_sweeps", {}).setdefault("pool overwrite from tensors", []).append(got)
-    return best
+    return _overwrite_sweep(
+        b,
+        pool_file,
+        "pool overwrite from tensors",
+        lambda window: tensor_spans(b, window),
+        lambda fd, w: _pwritev_all(fd, w[1], w[0]),
+    )
 
 
 def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
