@@ -208,3 +208,140 @@ def test_pooled_read_buffers_of_different_sizes_are_reused():
         assert reader._address(again) == reader._address(big)
         pool.give(again)
         assert pool._out == 0
+
+
+def test_spans_join_within_the_page_after_the_end():
+    from ckptd.storage.base import spans_join
+
+    assert spans_join(100, 100)  # meet inside a page: they share it
+    assert spans_join(100, 4096 + 4095)  # in the next page
+    assert not spans_join(100, 8192)  # a whole page between them would be read for nothing
+    assert spans_join(4096, 4096 + 4095) and not spans_join(4096, 8192)
+    assert not spans_join(100, 99)  # overlapping, or out of order
+
+
+def _random_spans(rng: np.random.Generator, size: int) -> list[tuple[int, int, int]]:
+    """(file offset, length, memory phase) of spans that each join the one before: short
+    ones (inside a page, or across one edge) at any phase, long ones (whole pages in
+    them) in their page as in the file."""
+    out: list[tuple[int, int, int]] = []
+    at = int(rng.integers(0, 3 * 4096))
+    while True:
+        n = int(rng.choice([1, 7, 100, 1792, 4000, 4096, 5000, 9000, 3 * 4096 + 17]))
+        n = min(n, size - at)
+        if n <= 0:
+            return out
+        holds_page = -(-at // 4096) * 4096 + 4096 <= at + n
+        out.append((at, n, at % 4096 if holds_page else int(rng.integers(0, 4096))))
+        end = at + n
+        at = int(rng.integers(end, -(-end // 4096) * 4096 + 4096))
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_scatter_read_of_joined_spans_gets_every_byte_in_one_call(tmp_path, direct_io):
+    """Spans meeting inside a page, in neighbouring pages, small ones at any place in memory
+    and large ones placed by their page phase: one preadv each time, every byte right."""
+    rng = np.random.default_rng(11)
+    size = 64 * 4096
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    (tmp_path / "f.bin").write_bytes(data.tobytes())
+    with knobs.override(direct_io=direct_io):
+        storage = open_storage(str(tmp_path))
+        for _ in range(40):
+            spans = _random_spans(rng, size)
+            outs = [_aligned(n, phase) for _, n, phase in spans]
+            handle = storage.open_read("f.bin", cold=True)
+            try:
+                before = counters.snapshot()
+                handle.read_spans([(at, out) for (at, _, _), out in zip(spans, outs, strict=True)])
+                assert (counters.snapshot() - before).read_calls == 1, spans
+            finally:
+                handle.close()
+            for (at, n, _), out in zip(spans, outs, strict=True):
+                assert out.tobytes() == data[at : at + n].tobytes(), (at, n)
+
+
+def _layered(job: str) -> tuple[dict[str, torch.Tensor], object, str, list]:
+    """Large weights placed in the file by their memory's page phase (format version 5)
+    with a small norm weight (not a whole page) between each layer's: a model's layout."""
+    g = torch.Generator().manual_seed(7)
+    state: dict[str, torch.Tensor] = {}
+    for layer in range(6):
+        state[f"l{layer}.norm"] = torch.randn(448, generator=g)  # 1792 bytes
+        for j, w in enumerate(("q", "k")):
+            skip = 16 * (1 + 2 * layer + j)  # at 64 bytes and more into its page of memory
+            state[f"l{layer}.{w}"] = torch.randn(skip + 270_000, generator=g)[skip:]
+    storage, path, entries = _save_one_shard(job, state)
+    return state, storage, path, sorted(entries, key=lambda e: e.offset)
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_small_entries_join_the_direct_reads_beside_them(job, direct_io):
+    state, _, path, entries = _layered(job)
+    with knobs.override(direct_io=direct_io):
+        storage = open_storage(job)
+        # The large ones in their page as in the file; the small ones anywhere.
+        outs = [_aligned(e.length, e.offset % 4096 if e.length > 8192 else 1000) for e in entries]
+        calls: list[int] = []
+        before = counters.snapshot()
+        problems = read_entries(
+            storage,
+            path,
+            entries,
+            knobs.get().block_size,
+            sink=lambda i, start, data: calls.append(i),
+            into=outs,
+        )
+        reads = (counters.snapshot() - before).read_calls
+    assert problems == [] and calls == []  # all read in place, none through a pooled window
+    assert reads == 1  # 18 entries, 13 MB: one scatter read (not one per small entry)
+    for e, out in zip(entries, outs, strict=True):
+        assert out.tobytes() == state[e.key].numpy().tobytes(), e.key
+
+
+def test_small_entries_between_pooled_ones_share_their_windows(job):
+    """The large destinations not in their page as in the file (pooled windows, copied
+    through the sink); the small ones page-aligned: they ride in the windows too instead
+    of each being a read of its own."""
+    state, _, path, entries = _layered(job)
+    with knobs.override(direct_io=True):
+        storage = open_storage(job)
+        if not getattr(storage.open_write("probe.bin", 4096), "direct", False):
+            pytest.skip("this filesystem refuses O_DIRECT")
+        outs = [
+            _aligned(e.length, (e.offset + 64) % 4096 if e.length > 8192 else 0) for e in entries
+        ]
+
+        def sink(i: int, start: int, data: np.ndarray) -> None:
+            outs[i][start : start + data.nbytes] = data
+
+        before = counters.snapshot()
+        assert (
+            read_entries(storage, path, entries, knobs.get().block_size, sink=sink, into=outs) == []
+        )
+        reads = (counters.snapshot() - before).read_calls
+    # One pooled window of 13 MB (its last partial page through the bounce buffer: a
+    # second call); before, each norm was a read of its own besides.
+    assert reads <= 2
+    for e, out in zip(entries, outs, strict=True):
+        assert out.tobytes() == state[e.key].numpy().tobytes(), e.key
+
+
+def test_corrupt_small_entry_joined_to_a_direct_read_is_zeroed_and_named(job, tally):
+    state, storage, path, entries = _layered(job)
+    bad = next(e for e in entries if e.length < 4096 and e.offset > 100_000)
+    with open(storage.local_path(path), "r+b") as f:
+        f.seek(bad.offset + 9)
+        b = f.read(1)
+        f.seek(bad.offset + 9)
+        f.write(bytes([b[0] ^ 0xFF]))
+    outs = [_aligned(e.length, e.offset % 4096 if e.length > 8192 else 1000) for e in entries]
+    with tally.fault("corrupt:small-entry-in-a-scatter-read"):
+        with pytest.raises(HashMismatch, match=bad.key.replace(".", r"\.")):
+            read_entries(storage, path, entries, knobs.get().block_size, into=outs)
+    assert not outs[entries.index(bad)].any()  # its bytes did not stay
+    problems = read_entries(storage, path, entries, knobs.get().block_size, into=outs, collect=True)
+    assert [bad.key in str(p) for p in problems] == [True]
+    for e, out in zip(entries, outs, strict=True):
+        if e is not bad:
+            assert out.tobytes() == state[e.key].numpy().tobytes(), e.key

@@ -44,7 +44,7 @@ from ckptd import iopool, knobs
 from ckptd.errors import CorruptCheckpoint, HashMismatch, StorageError
 from ckptd.format import hashing
 from ckptd.format.manifest import IndexEntry
-from ckptd.storage.base import ReadHandle, Storage
+from ckptd.storage.base import PAGE, ReadHandle, Storage, spans_join
 from ckptd.storage.local import ALIGN, map_populated
 
 _HASH_PIECE = 8 << 20  # bytes of a read straight into its destination hashed per task
@@ -253,19 +253,7 @@ def read_entries(
 
     problems: list[CorruptCheckpoint] = []
     try:
-        direct: dict[int, np.ndarray] = {}
-        for i, out in enumerate(into or ()):
-            r = entries[i]
-            whole = not isinstance(r, EntryRead) or r.ranges is None
-            if (
-                out is not None
-                and whole
-                and plain[i].length
-                and handle.can_read_into(out, plain[i].offset)
-            ):
-                if out.nbytes != plain[i].length:
-                    raise ValueError(f"key {plain[i].key!r}: a destination of the wrong size")
-                direct[i] = out
+        direct = _straight_in(handle, entries, plain, into or ())
         rest = [i for i in range(len(entries)) if i not in direct]
         windows = plan_reads([entries[i] for i in rest], block, k.read_window)
         for w in windows:
@@ -293,13 +281,60 @@ def read_entries(
     return problems
 
 
+def _straight_in(
+    handle: ReadHandle,
+    entries: Sequence[IndexEntry | EntryRead],
+    plain: Sequence[IndexEntry],
+    into: Sequence[np.ndarray | None],
+) -> dict[int, np.ndarray]:
+    """The entries read straight into their destinations (into[i]: all of entry i): each
+    that holds a whole page of the file and whose memory the handle can read into, and
+    each smaller one beside such an entry in the file, or beside a small one that is.
+
+    A small entry's bytes go through scratch pages either way, so it is read with its
+    neighbours: in the direct read beside it, else in a pooled window with the others.
+    Read alone, each was a device request of its own: a 2 GiB model's 66 norm weights
+    held a reading thread 30-80 ms each behind the large reads (bench/README.md, issue 16
+    sixteenth pass)."""
+    given: dict[int, np.ndarray] = {}
+    for i, out in enumerate(into):
+        r = entries[i]
+        if out is None or not plain[i].length:
+            continue
+        if isinstance(r, EntryRead) and r.ranges is not None:
+            continue  # part of the entry: its covering blocks go through a window
+        if out.nbytes != plain[i].length:
+            raise ValueError(f"key {plain[i].key!r}: a destination of the wrong size")
+        given[i] = out
+    direct = {
+        i: out
+        for i, out in given.items()
+        if _holds_page(plain[i]) and handle.can_read_into(out, plain[i].offset)
+    }
+    order = sorted(range(len(plain)), key=lambda i: plain[i].offset)
+    small = [i for i in order if i in given and not _holds_page(plain[i])]
+    if direct and small:
+        before = {b: a for a, b in zip(order, order[1:], strict=False)}
+        after = {a: b for a, b in zip(order, order[1:], strict=False)}
+        for nearest, run in ((before, small), (after, small[::-1])):
+            for i in run:  # in file order, then back: a run of small ones joins whole
+                if i not in direct and nearest.get(i) in direct:
+                    direct[i] = given[i]
+    return direct
+
+
+def _holds_page(e: IndexEntry) -> bool:
+    """Whether a whole page of the file lies inside the entry."""
+    return -(-e.offset // PAGE) * PAGE + PAGE <= e.offset + e.length
+
+
 def _direct_groups(
     entries: Sequence[IndexEntry], direct: dict[int, np.ndarray], span: int
 ) -> list[list[tuple[int, int, np.ndarray]]]:
     """The reads straight into destinations: each entry cut in pieces of `span` bytes
-    (whole blocks), and neighbouring pieces in the file (the next one at the page-aligned
-    end of the one before: a packed shard) joined into one read of at most `span` bytes,
-    so that a model of many small tensors is read in few large reads."""
+    (whole blocks), and neighbouring pieces in the file (spans_join) joined into one read
+    of at most `span` bytes, so that a model of many small tensors is read in few large
+    reads."""
     groups: list[list[tuple[int, int, np.ndarray]]] = []
     size = 0
     end = -1
@@ -308,7 +343,7 @@ def _direct_groups(
         for s in range(0, e.length, span):
             piece = out[s : min(e.length, s + span)]
             at = e.offset + s
-            if groups and at == -(-end // ALIGN) * ALIGN and size + piece.nbytes <= span:
+            if groups and spans_join(end, at) and size + piece.nbytes <= span:
                 groups[-1].append((i, s, piece))
                 size += piece.nbytes
             else:

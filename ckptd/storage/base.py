@@ -47,6 +47,17 @@ from ckptd.errors import CheckpointExists
 # A piece of a write: (absolute file offset, 1-D contiguous uint8 array).
 Piece = tuple[int, np.ndarray]
 
+PAGE = 4096  # the unit of a cold (O_DIRECT) read: spans of one scatter read join by it
+
+
+def spans_join(end: int, at: int) -> bool:
+    """Whether a span starting at `at` may follow one ending at `end` in one read_spans
+    call: at or after that end, inside the page that holds it or the page after. So
+    neighbours share a page or lie in neighbouring pages (a packed shard, entries placed
+    by their memory's page phase, a small entry between large ones), and no page between
+    them is read for nothing."""
+    return end <= at < -(-end // PAGE) * PAGE + PAGE
+
 
 @dataclasses.dataclass(frozen=True, order=True)
 class PendingUpload:
@@ -100,9 +111,8 @@ class ReadHandle(abc.ABC):
         out[:] = self.read(offset, out.nbytes)
 
     def read_spans(self, spans: Sequence[tuple[int, np.ndarray]]) -> None:
-        """read_into of each (offset, out), ascending, each span starting where the one
-        before ends rounded up to a 4 KiB page (a packed shard's neighbouring entries): a
-        handle that can reads them all with one call (a scatter read)."""
+        """read_into of each (offset, out), ascending, each span joining the one before
+        (spans_join): a handle that can reads them all with one call (a scatter read)."""
         for offset, out in spans:
             self.read_into(offset, out)
 

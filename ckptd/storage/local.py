@@ -30,11 +30,11 @@ import numpy as np
 
 from ckptd.errors import CheckpointExists, InvalidManifest, ShardMissing, StorageError, UnsafePath
 from ckptd.storage import counters
-from ckptd.storage.base import DirFiles, Piece, ReadHandle, Storage, WriteHandle
+from ckptd.storage.base import PAGE, DirFiles, Piece, ReadHandle, Storage, WriteHandle, spans_join
 from ckptd.storage.location import local_dir
 from ckptd.storage.paths import check_relative
 
-ALIGN = 4096
+ALIGN = PAGE
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -418,7 +418,9 @@ def _skip(views: list[memoryview | bytes], n: int) -> list[memoryview | bytes]:
     return out
 
 
-_SPANS_PER_CALL = 256  # a span takes at most 2 iovecs; IOV_MAX is 1024
+_SPANS_PER_CALL = 256  # a span takes at most 3 iovecs; IOV_MAX is 1024
+# (start offset, the iovecs of one preadv from it, (into, from a scratch page) copies after)
+_ScatterPlan = tuple[int, list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]
 
 
 class LocalReadHandle(ReadHandle):
@@ -514,10 +516,10 @@ class LocalReadHandle(ReadHandle):
             copy_into(out[body:], self.read(offset + body, n - body))
 
     def read_spans(self, spans: Sequence[tuple[int, np.ndarray]]) -> None:
-        # One preadv per _SPANS_PER_CALL spans: each span's bytes straight into its memory
-        # (whole pages of it under O_DIRECT), and a scratch page of this thread's bounce
-        # buffer for each tail that is not a whole page (copied in after) and for the
-        # alignment padding between spans.
+        # One preadv per _SPANS_PER_CALL spans: each span's whole pages straight into its
+        # memory, the partial pages (a span's first and last, shared by neighbours that
+        # meet inside a page, or all of a small span) into scratch pages of this thread,
+        # copied in after.
         for at in range(0, len(spans), _SPANS_PER_CALL):
             part = spans[at : at + _SPANS_PER_CALL]
             if not self._scatter(part):
@@ -525,48 +527,16 @@ class LocalReadHandle(ReadHandle):
                     self.read_into(offset, out)
 
     def _scatter(self, spans: Sequence[tuple[int, np.ndarray]]) -> bool:
-        """One scatter read of packed spans; False (nothing read) where it cannot be one.
-
-        Under O_DIRECT each span's memory must lie in its page as its file offset does
-        (the first span may start inside a page: a version-5 entry); the partial pages
-        at the ends go into scratch pages, copied in after."""
-        first = spans[0][0]
-        if self.direct and any((_addr(out) - off) % ALIGN for off, out in spans):
-            return False
-        pads = 0
+        """One scatter read of joined spans (spans_join); False (nothing read) where it
+        cannot be one. Under O_DIRECT a span that holds a whole page of the file must lie
+        in its page of memory as its file offset does (can_read_into)."""
         for (off, out), (nxt, _) in zip(spans, spans[1:], strict=False):
-            if nxt != _round_up(off + out.nbytes):
-                return False  # not packed
-            pads += nxt != off + out.nbytes
-        scratch = _scratch.get((pads + 2) * ALIGN)
-        iov: list[np.ndarray] = []
-        copies: list[tuple[np.ndarray, np.ndarray]] = []  # (into, from a scratch page)
-        k = 0
-        start = first - first % ALIGN if self.direct else first
-        for j, (off, out) in enumerate(spans):
-            n = out.nbytes
-            end = off + n
-            last = j == len(spans) - 1
-            if self.direct:
-                lead = min(n, -off % ALIGN)  # before the span's first whole page
-                if lead:
-                    page = scratch[k * ALIGN : (k + 1) * ALIGN]
-                    iov.append(page)
-                    copies.append((out[:lead], page[off % ALIGN : off % ALIGN + lead]))
-                    k += 1
-                body = (n - lead) // ALIGN * ALIGN
-                if body:
-                    iov.append(out[lead : lead + body])
-                if n > lead + body:  # the tail and the padding after it: a whole page
-                    page = scratch[k * ALIGN : (k + 1) * ALIGN]
-                    iov.append(page)
-                    copies.append((out[lead + body :], page[: n - lead - body]))
-                    k += 1
-            else:
-                iov.append(out)
-                if not last and _round_up(end) > end:
-                    iov.append(scratch[k * ALIGN : k * ALIGN + _round_up(end) - end])
-                    k += 1
+            if not spans_join(off + out.nbytes, nxt):
+                return False
+        planned = self._direct_iov(spans) if self.direct else self._buffered_iov(spans)
+        if planned is None:
+            return False
+        start, iov, copies = planned
         need = spans[-1][0] + spans[-1][1].nbytes - start
         try:
             got = os.preadv(self._fd, iov, start)  # type: ignore[arg-type]
@@ -581,6 +551,58 @@ class LocalReadHandle(ReadHandle):
         for into, page in copies:
             copy_into(into, page)
         return True
+
+    @staticmethod
+    def _direct_iov(spans: Sequence[tuple[int, np.ndarray]]) -> _ScatterPlan | None:
+        """The file's pages from the first span's to the last's, in order: each whole page
+        of a span straight into its memory, every other page (partial, or shared by two
+        spans) a scratch page with a copy into each span's part of it. Joined spans leave
+        no page between them, so a span takes at most two scratch pages."""
+        scratch = _scratch.get(2 * len(spans) * ALIGN)
+        iov: list[np.ndarray] = []
+        copies: list[tuple[np.ndarray, np.ndarray]] = []
+        k = 0
+        start = spans[0][0] - spans[0][0] % ALIGN
+        next_page = start  # the file offset the next iovec reads at
+        for off, out in spans:
+            end = off + out.nbytes
+            body, body_end = _round_up(off), end - end % ALIGN
+            if body_end <= body:
+                body = body_end = -1  # no whole page: all of it through scratch
+            elif (_addr(out) - off) % ALIGN:
+                return None
+            pos = off
+            while pos < end:
+                if pos == body:
+                    iov.append(out[body - off : body_end - off])
+                    pos = next_page = body_end
+                    continue
+                page = pos - pos % ALIGN
+                if page == next_page:  # a new page; else the last scratch page, shared
+                    iov.append(scratch[k * ALIGN : (k + 1) * ALIGN])
+                    k += 1
+                    next_page += ALIGN
+                n = min(end, page + ALIGN) - pos
+                copies.append(
+                    (out[pos - off : pos - off + n], iov[-1][pos - page : pos - page + n])
+                )
+                pos += n
+        return start, iov, copies
+
+    @staticmethod
+    def _buffered_iov(spans: Sequence[tuple[int, np.ndarray]]) -> _ScatterPlan:
+        """Each span's memory, and scratch for the bytes between it and the next."""
+        ends = [off + out.nbytes for off, out in spans]
+        gaps = [nxt - end for end, (nxt, _) in zip(ends, spans[1:], strict=False)]
+        scratch = _scratch.get(sum(gaps))
+        iov: list[np.ndarray] = []
+        used = 0
+        for (_, out), gap in zip(spans, [*gaps, 0], strict=True):
+            iov.append(out)
+            if gap:
+                iov.append(scratch[used : used + gap])
+                used += gap
+        return spans[0][0], iov, []
 
     def _reopen_buffered(self) -> None:
         # Accepted at open, refused at read (some FUSE mounts): read through the cache,
