@@ -28,6 +28,7 @@ from typing import Any
 from ckpt import _hooks, _resume, _world
 from ckpt._connect import connect, wait_for_closed
 from ckpt._flatten import flatten
+from ckpt._gcclock import GcClock
 from ckpt._load import load_from_tiers
 from ckpt._memory import MemorySaver, MemoryTier
 from ckpt._mirror import MirrorUploader
@@ -260,35 +261,38 @@ class Checkpointer:
             self._parent = self._parent_before  # a save that failed is nobody's parent
         self._raise_unseen(prev)
         ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
-        t0 = time.perf_counter()
-        image: HostImage | None = None
-        try:
-            node, leaves = flatten(state, rank=self.rank, keep_device=True)
-            t1 = time.perf_counter()
-            # A memory save still writing out of the shared staging image: this save
-            # stages into one of its own (ckpt._memory; they never wait for each other).
-            shared = self._memory is None or not self._memory.holds_shared
-            image = self._image if shared else HostImage()
-            waited = image.waited_s
-            job = SaveJob(self.storage, ref, node, meta, options or self.options, leaves, image)
-            image_wait_s = image.waited_s - waited
-        except BaseException as e:
-            if image is not None:
-                self._release_own(image)
-            # The other ranks must not wait for this one at the barrier.
-            RankSave(self._save_client, ref, timeout_s=self.timeout_s).abort(
-                f"{type(e).__name__}: {e}"
-            )
-            raise
-        del leaves  # the staged copy is what gets saved; the caller's tensors are free
-        staging_s = time.perf_counter() - t1
-        crash_point("rank.after_stage")
-        # Past the staging budget the tensors are written before save() returns, and a
-        # packed shard needs the plan for that (ckpt._save_job).
-        begun = self._begin(job, self._parent) if job.over_budget else None
+        # The stall: what the training loop waits for (and the collections in it).
+        with GcClock() as collector:
+            t0 = time.perf_counter()
+            image: HostImage | None = None
+            try:
+                node, leaves = flatten(state, rank=self.rank, keep_device=True)
+                t1 = time.perf_counter()
+                # A memory save still writing out of the shared staging image: this save
+                # stages into one of its own (ckpt._memory; they never wait for each other).
+                shared = self._memory is None or not self._memory.holds_shared
+                image = self._image if shared else HostImage()
+                waited = image.waited_s
+                job = SaveJob(self.storage, ref, node, meta, options or self.options, leaves, image)
+                image_wait_s = image.waited_s - waited
+            except BaseException as e:
+                if image is not None:
+                    self._release_own(image)
+                # The other ranks must not wait for this one at the barrier.
+                RankSave(self._save_client, ref, timeout_s=self.timeout_s).abort(
+                    f"{type(e).__name__}: {e}"
+                )
+                raise
+            del leaves  # the staged copy is what gets saved; the caller's tensors are free
+            staging_s = time.perf_counter() - t1
+            crash_point("rank.after_stage")
+            # Past the staging budget the tensors are written before save() returns, and a
+            # packed shard needs the plan for that (ckpt._save_job).
+            begun = self._begin(job, self._parent) if job.over_budget else None
         pending = PendingSave(step)
         pending.timings.staging_s = staging_s
         pending.timings.image_wait_s = image_wait_s
+        pending.timings.gc_s = collector.s
         pending.timings.blocking_s = time.perf_counter() - t0
         pending.bytes = job.held_bytes
         self._inflight = pending

@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckpt._flatten import flatten
+from ckpt._gcclock import GcClock
 from ckpt._pending import PendingSave
 from ckpt._protocol import MemoryRankSave
 from ckpt._results import SaveResult
@@ -335,23 +336,25 @@ class MemorySaver:
             )
             self._post(step, "plan", {"skip": True})
             return PendingSave(step, skipped=True)
-        t0 = time.perf_counter()
-        busy = self._shared is None or (self._persisting is not None and self._persisting())
-        image = self._spare if busy else self._shared
-        assert image is not None
-        self._staged_in, self.holds_shared = image, not busy
-        try:
-            node, leaves = flatten(state, rank=self.rank, keep_device=True)
-            ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
-            job = SaveJob(
-                self.storage, ref, node, metadata, SaveOptions(verify="size"), leaves, image
-            )
-        except BaseException:
-            self._free_image()
-            raise
+        with GcClock() as collector:
+            t0 = time.perf_counter()
+            busy = self._shared is None or (self._persisting is not None and self._persisting())
+            image = self._spare if busy else self._shared
+            assert image is not None
+            self._staged_in, self.holds_shared = image, not busy
+            try:
+                node, leaves = flatten(state, rank=self.rank, keep_device=True)
+                ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
+                job = SaveJob(
+                    self.storage, ref, node, metadata, SaveOptions(verify="size"), leaves, image
+                )
+            except BaseException:
+                self._free_image()
+                raise
         del leaves
         pending = PendingSave(step)
         pending.timings.blocking_s = pending.timings.staging_s = time.perf_counter() - t0
+        pending.timings.gc_s = collector.s
         pending.bytes = job.held_bytes
         self._inflight = pending
         self._worker.submit(self._place, job, pending, parent, after)
@@ -388,6 +391,7 @@ class MemorySaver:
                 bytes=job.written_bytes(job.assigned or []),
                 seconds=pending.timings.blocking_s + pending.timings.persist_s,
                 staging_s=pending.timings.staging_s,
+                gc_s=pending.timings.gc_s,
                 blocking_s=pending.timings.blocking_s,
                 persist_s=pending.timings.persist_s,
             ),

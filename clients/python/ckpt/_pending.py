@@ -22,6 +22,7 @@ class SaveTimings:
     blocking_s: float = 0.0  # what the training loop waited for (flatten + staging)
     staging_s: float = 0.0  # the copy into host memory
     image_wait_s: float = 0.0  # of staging_s, the wait for the staging buffer to be mapped
+    gc_s: float = 0.0  # of blocking_s, Python's garbage collector (ckpt._gcclock)
     persist_s: float = 0.0  # hashing, planning, writing, verifying (background)
     commit_s: float = 0.0  # from this rank's report to COMMITTED
 

@@ -33,6 +33,9 @@ class SaveResult:
     # Of staging_s: the wait for the staging buffer, still being mapped in the background
     # (Checkpointer.resume starts it) when the first save came; 0 once it is ready.
     image_wait_s: float = 0.0
+    # Of blocking_s: Python's garbage collector (a full collection, due after enough
+    # allocations in any thread, runs in whatever allocates then; ckpt._gcclock).
+    gc_s: float = 0.0
     persist_s: float = 0.0  # the background part up to the report (includes write_s, verify_s)
     commit_s: float = 0.0  # from this rank's report to COMMITTED
     blocking_s: float = 0.0  # what the training loop waited for
@@ -51,14 +54,21 @@ def log_saved(result: SaveResult, where: str) -> None:
         if result.image_wait_s >= 0.0005
         else ""
     )
+    # And one whose stall held a garbage collection, how much of it that was.
+    collected = (
+        f" ({result.gc_s:.3f} s of it in Python's garbage collector)"
+        if result.gc_s >= 0.0005
+        else ""
+    )
     log.info(
-        "%s: committed %.3f GB in %.2f s (%.2f GB/s): blocking %.3f s, staging %.3f s%s, "
+        "%s: committed %.3f GB in %.2f s (%.2f GB/s): blocking %.3f s%s, staging %.3f s%s, "
         "persist %.2f s (write %.2f s, verify %.2f s), commit %.2f s",
         where,
         result.bytes / 1e9,
         result.seconds,
         result.gbps,
         result.blocking_s,
+        collected,
         result.staging_s,
         waited,
         result.persist_s,
