@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import gc
 import io
 import os
 import queue
@@ -781,6 +782,16 @@ def ckpt_verify(b: Bench) -> float:
     return clk.s
 
 
+def _before_stall() -> None:
+    """Each stall starts with the disk idle and Python's collector just run (untimed, as
+    timeit turns it off): a full collection of this process takes 90-160 ms, and one that
+    falls due lands in whatever allocates then, a stall's flatten now and then, so the
+    ratio would say where the collector's counters stood rather than what the first save
+    costs. What collections still land in a stall is in the notes (SaveResult.gc_s)."""
+    os.sync()
+    gc.collect()
+
+
 @method("stall", "Checkpointer.save stall, first save")
 def stall_first(b: Bench) -> float:
     """The blocking part (flatten + staging) of a new Checkpointer's first save, after
@@ -794,10 +805,11 @@ def stall_first(b: Bench) -> float:
     b.notes["stall_cp"] = cp
     cp.resume(b.state, allow_fresh_start=True)
     time.sleep(TRAIN_S)
-    os.sync()
+    _before_stall()
     pending = cp.save(b.state, 1)
     result = pending.wait()
     b.notes.setdefault("first_save_image_wait_s", []).append(result.image_wait_s)
+    b.notes.setdefault("stall_gc_s", {}).setdefault("first", []).append(result.gc_s)
     return pending.blocking_s
 
 
@@ -808,9 +820,10 @@ def stall_later(b: Bench) -> float:
         stall_first(b)
         cp = b.notes.pop("stall_cp")
     try:
-        os.sync()
+        _before_stall()
         pending = cp.save(b.state, 2)
-        pending.wait()
+        result = pending.wait()
+        b.notes.setdefault("stall_gc_s", {}).setdefault("later", []).append(result.gc_s)
         return pending.blocking_s
     finally:
         cp.close()
