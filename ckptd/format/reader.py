@@ -44,7 +44,7 @@ from ckptd import iopool, knobs
 from ckptd.errors import CorruptCheckpoint, HashMismatch, StorageError
 from ckptd.format import hashing
 from ckptd.format.manifest import IndexEntry
-from ckptd.storage.base import PAGE, ReadHandle, Storage, spans_join
+from ckptd.storage.base import ReadHandle, Storage, holds_page, spans_join
 from ckptd.storage.local import ALIGN, map_populated
 
 _HASH_PIECE = 8 << 20  # bytes of a read straight into its destination hashed per task
@@ -309,10 +309,11 @@ def _straight_in(
     direct = {
         i: out
         for i, out in given.items()
-        if _holds_page(plain[i]) and handle.can_read_into(out, plain[i].offset)
+        if holds_page(plain[i].offset, plain[i].length)
+        and handle.can_read_into(out, plain[i].offset)
     }
     order = sorted(range(len(plain)), key=lambda i: plain[i].offset)
-    small = [i for i in order if i in given and not _holds_page(plain[i])]
+    small = [i for i in order if i in given and not holds_page(plain[i].offset, plain[i].length)]
     if direct and small:
         before = {b: a for a, b in zip(order, order[1:], strict=False)}
         after = {a: b for a, b in zip(order, order[1:], strict=False)}
@@ -321,11 +322,6 @@ def _straight_in(
                 if i not in direct and nearest.get(i) in direct:
                     direct[i] = given[i]
     return direct
-
-
-def _holds_page(e: IndexEntry) -> bool:
-    """Whether a whole page of the file lies inside the entry."""
-    return -(-e.offset // PAGE) * PAGE + PAGE <= e.offset + e.length
 
 
 def _direct_groups(

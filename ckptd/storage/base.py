@@ -59,6 +59,12 @@ def spans_join(end: int, at: int) -> bool:
     return end <= at < -(-end // PAGE) * PAGE + PAGE
 
 
+def holds_page(offset: int, length: int) -> bool:
+    """Whether a whole page of the file lies inside [offset, offset + length): a cold read
+    can put only such pages straight into memory, the rest go through scratch pages."""
+    return -(-offset // PAGE) * PAGE + PAGE <= offset + length
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class PendingUpload:
     """An upload the store holds parts of, not (yet) an object: a save in flight, or the

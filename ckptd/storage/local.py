@@ -30,7 +30,16 @@ import numpy as np
 
 from ckptd.errors import CheckpointExists, InvalidManifest, ShardMissing, StorageError, UnsafePath
 from ckptd.storage import counters
-from ckptd.storage.base import PAGE, DirFiles, Piece, ReadHandle, Storage, WriteHandle, spans_join
+from ckptd.storage.base import (
+    PAGE,
+    DirFiles,
+    Piece,
+    ReadHandle,
+    Storage,
+    WriteHandle,
+    holds_page,
+    spans_join,
+)
 from ckptd.storage.location import local_dir
 from ckptd.storage.paths import check_relative
 
@@ -567,8 +576,8 @@ class LocalReadHandle(ReadHandle):
         for off, out in spans:
             end = off + out.nbytes
             body, body_end = _round_up(off), end - end % ALIGN
-            if body_end <= body:
-                body = body_end = -1  # no whole page: all of it through scratch
+            if not holds_page(off, out.nbytes):
+                body = body_end = -1  # all of it through scratch
             elif (_addr(out) - off) % ALIGN:
                 return None
             pos = off
