@@ -35,6 +35,23 @@ def _save_one_shard(job: str, state: dict[str, torch.Tensor]) -> tuple[object, s
     return storage, ck.shard_path(shard), [ck.chunks[k][0].entry for k in state]
 
 
+def _in_file_order(
+    job: str, state: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], object, str, list]:
+    """_save_one_shard, the entries sorted by their place in the file."""
+    storage, path, entries = _save_one_shard(job, state)
+    return state, storage, path, sorted(entries, key=lambda e: e.offset)
+
+
+def _assert_landed(
+    state: dict[str, torch.Tensor], entries: list, outs: list[np.ndarray], but: object = None
+) -> None:
+    """Each entry's destination holds its tensor's bytes (all but `but`'s)."""
+    for e, out in zip(entries, outs, strict=True):
+        if e is not but:
+            assert out.tobytes() == state[e.key].numpy().tobytes(), e.key
+
+
 def _saved(job: str) -> tuple[dict[str, torch.Tensor], object, str, list]:
     g = torch.Generator().manual_seed(3)
     state = {
@@ -123,8 +140,7 @@ def _many(job: str, n: int = 40) -> tuple[dict[str, torch.Tensor], object, str, 
     state = {
         f"t{i:02d}": torch.randn(1024 * (1 + i % 3) + (i % 2) * 7, generator=g) for i in range(n)
     }
-    storage, path, entries = _save_one_shard(job, state)
-    return state, storage, path, sorted(entries, key=lambda e: e.offset)
+    return _in_file_order(job, state)
 
 
 @pytest.mark.parametrize("direct_io", [True, False])
@@ -137,8 +153,7 @@ def test_neighbouring_entries_are_read_in_one_scatter_read(job, direct_io):
         assert read_entries(storage, path, entries, knobs.get().block_size, into=outs) == []
         calls = (counters.snapshot() - before).read_calls
     assert calls == 1  # 40 entries, one preadv (their tails through scratch pages)
-    for e, out in zip(entries, outs, strict=True):
-        assert out.tobytes() == state[e.key].numpy().tobytes(), e.key
+    _assert_landed(state, entries, outs)
 
 
 def test_corrupt_entry_of_a_scatter_read_is_zeroed_and_named(job):
@@ -155,9 +170,7 @@ def test_corrupt_entry_of_a_scatter_read_is_zeroed_and_named(job):
     assert not outs[7].any()  # the corrupt entry's bytes did not stay
     problems = read_entries(storage, path, entries, knobs.get().block_size, into=outs, collect=True)
     assert [bad.key in str(p) for p in problems] == [True]
-    for e, out in zip(entries, outs, strict=True):
-        if e is not bad:
-            assert out.tobytes() == state[e.key].numpy().tobytes(), e.key
+    _assert_landed(state, entries, outs, but=bad)
 
 
 def test_pooled_read_buffers_come_back_after_a_failed_read(job):
@@ -271,8 +284,7 @@ def _layered(job: str) -> tuple[dict[str, torch.Tensor], object, str, list]:
         for j, w in enumerate(("q", "k")):
             skip = 16 * (1 + 2 * layer + j)  # at 64 bytes and more into its page of memory
             state[f"l{layer}.{w}"] = torch.randn(skip + 270_000, generator=g)[skip:]
-    storage, path, entries = _save_one_shard(job, state)
-    return state, storage, path, sorted(entries, key=lambda e: e.offset)
+    return _in_file_order(job, state)
 
 
 @pytest.mark.parametrize("direct_io", [True, False])
@@ -295,8 +307,7 @@ def test_small_entries_join_the_direct_reads_beside_them(job, direct_io):
         reads = (counters.snapshot() - before).read_calls
     assert problems == [] and calls == []  # all read in place, none through a pooled window
     assert reads == 1  # 18 entries, 13 MB: one scatter read (not one per small entry)
-    for e, out in zip(entries, outs, strict=True):
-        assert out.tobytes() == state[e.key].numpy().tobytes(), e.key
+    _assert_landed(state, entries, outs)
 
 
 def test_small_entries_between_pooled_ones_share_their_windows(job):
@@ -323,8 +334,7 @@ def test_small_entries_between_pooled_ones_share_their_windows(job):
     # One pooled window of 13 MB (its last partial page through the bounce buffer: a
     # second call); before, each norm was a read of its own besides.
     assert reads <= 2
-    for e, out in zip(entries, outs, strict=True):
-        assert out.tobytes() == state[e.key].numpy().tobytes(), e.key
+    _assert_landed(state, entries, outs)
 
 
 def test_corrupt_small_entry_joined_to_a_direct_read_is_zeroed_and_named(job, tally):
@@ -342,6 +352,4 @@ def test_corrupt_small_entry_joined_to_a_direct_read_is_zeroed_and_named(job, ta
     assert not outs[entries.index(bad)].any()  # its bytes did not stay
     problems = read_entries(storage, path, entries, knobs.get().block_size, into=outs, collect=True)
     assert [bad.key in str(p) for p in problems] == [True]
-    for e, out in zip(entries, outs, strict=True):
-        if e is not bad:
-            assert out.tobytes() == state[e.key].numpy().tobytes(), e.key
+    _assert_landed(state, entries, outs, but=bad)
