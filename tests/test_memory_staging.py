@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt import _memory
 
 
 @pytest.fixture
@@ -24,9 +25,16 @@ def tier(tmp_path: Path, monkeypatch):
     root = tmp_path / "shm"
     yield ckpt.MemoryTier(every=1, root=str(root), node=0, nodes=1, replicas=0, max_steps=4)
     try:
-        os.kill(int(json.loads((root / "agent.json").read_text())["pid"]), signal.SIGKILL)
+        pid = int(json.loads((root / "agent.json").read_text())["pid"])
+        os.kill(pid, signal.SIGKILL)
     except (OSError, ValueError):
-        pass
+        return
+    # The save started it from this process and keeps its Popen (the agent is meant to
+    # outlive the rank): wait on that, or the Popen, collected at exit with no exit status,
+    # is the "subprocess N is still running" ResourceWarning at the end of a test run.
+    for proc in _memory._STARTED:
+        if proc.pid == pid:
+            proc.wait(10)
 
 
 def state_at(step: int) -> dict[str, torch.Tensor]:
