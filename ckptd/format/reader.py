@@ -306,14 +306,10 @@ def _straight_in(
         if out.nbytes != plain[i].length:
             raise ValueError(f"key {plain[i].key!r}: a destination of the wrong size")
         given[i] = out
-    direct = {
-        i: out
-        for i, out in given.items()
-        if holds_page(plain[i].offset, plain[i].length)
-        and handle.can_read_into(out, plain[i].offset)
-    }
+    large = {i for i in given if holds_page(plain[i].offset, plain[i].length)}
+    direct = {i: given[i] for i in large if handle.can_read_into(given[i], plain[i].offset)}
     order = sorted(range(len(plain)), key=lambda i: plain[i].offset)
-    small = [i for i in order if i in given and not holds_page(plain[i].offset, plain[i].length)]
+    small = [i for i in order if i in given and i not in large]
     if direct and small:
         before = {b: a for a, b in zip(order, order[1:], strict=False)}
         after = {a: b for a, b in zip(order, order[1:], strict=False)}

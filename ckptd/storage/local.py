@@ -59,6 +59,12 @@ def _addr(a: np.ndarray) -> int:
     return int(a.ctypes.data)
 
 
+def _in_phase(mem: np.ndarray, offset: int) -> bool:
+    """Whether memory lies in its page as the file offset does in its page: O_DIRECT can
+    move the whole pages between them with no copy."""
+    return (_addr(mem) - offset) % ALIGN == 0
+
+
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """memcpy with the GIL released (ctypes drops it for foreign calls)."""
     n = src.nbytes
@@ -238,7 +244,7 @@ def direct_segments(
     """
     straight: list[tuple[int, int, np.ndarray]] = []  # [a, b) of the file, from arr
     for off, arr in pieces:
-        if (_addr(arr) - off) % ALIGN:
+        if not _in_phase(arr, off):
             continue
         a = _round_up(off)
         b = (off + arr.nbytes) // ALIGN * ALIGN
@@ -489,11 +495,11 @@ class LocalReadHandle(ReadHandle):
         # O_DIRECT needs the memory where it is in its page as the file offset is in its
         # (the bytes before the first whole page and after the last go through the bounce
         # buffer); a buffered read goes anywhere.
-        return not self.direct or (_addr(out) - offset) % ALIGN == 0
+        return not self.direct or _in_phase(out, offset)
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
         n = out.nbytes
-        if self.direct and offset % ALIGN and (_addr(out) - offset) % ALIGN == 0:
+        if self.direct and offset % ALIGN and _in_phase(out, offset):
             if not self._scatter([(offset, out)]):
                 # Short (the file ends early: the error comes from the aligned read), or
                 # refused: the bytes up to the file's next page, then an aligned read.
@@ -575,11 +581,11 @@ class LocalReadHandle(ReadHandle):
         next_page = start  # the file offset the next iovec reads at
         for off, out in spans:
             end = off + out.nbytes
-            body, body_end = _round_up(off), end - end % ALIGN
-            if not holds_page(off, out.nbytes):
-                body = body_end = -1  # all of it through scratch
-            elif (_addr(out) - off) % ALIGN:
-                return None
+            body = body_end = -1  # no whole page: all of it through scratch
+            if holds_page(off, out.nbytes):
+                if not _in_phase(out, off):
+                    return None
+                body, body_end = _round_up(off), end - end % ALIGN
             pos = off
             while pos < end:
                 if pos == body:
