@@ -176,7 +176,7 @@ def test_corrupt_entry_of_a_scatter_read_is_zeroed_and_named(job):
 def test_pooled_read_buffers_come_back_after_a_failed_read(job):
     """Windows read into the shared buffer pool (no destination: a verify) give every
     buffer back, also when a read fails, so later reads never wait for one."""
-    from ckptd.format import reader
+    from ckptd.format import buffers, reader
     from ckptd.storage.base import ReadHandle
 
     state, storage, path, entries = _many(job)
@@ -202,25 +202,25 @@ def test_pooled_read_buffers_come_back_after_a_failed_read(job):
     storage.open_read = lambda p, cold=False: Failing(inner(p, cold=cold))  # type: ignore[method-assign]
     problems = reader.verify_entries(storage, path, entries, knobs.get().block_size)
     assert problems and all("refused" in str(p) for p in problems)
-    assert reader._BUFFERS._out == 0
+    assert buffers.READS.out == 0
 
 
 def test_pooled_read_buffers_of_different_sizes_are_reused():
     """A window starts where its bytes lie in a page (a version-5 shard), so the pool holds
     buffers of several sizes; taking one back picks it by identity (comparing numpy arrays
     broke this as soon as two sizes were free)."""
-    from ckptd.format import reader
+    from ckptd.format import buffers
 
-    pool = reader._Buffers()
+    pool = buffers.Buffers(lambda: knobs.get().read_window + 4096)
     with knobs.override(read_window=1 << 20):
         small, big = pool.take(1 << 20, 4), pool.take(3 << 20, 4)
         assert small.nbytes == 1 << 20 and big.nbytes == 3 << 20
         pool.give(small)
         pool.give(big)
         again = pool.take(2 << 20, 4)  # only the big one fits
-        assert reader._address(again) == reader._address(big)
+        assert buffers.address(again) == buffers.address(big)
         pool.give(again)
-        assert pool._out == 0
+        assert pool.out == 0
 
 
 def test_spans_join_within_the_page_after_the_end():

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import mmap
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,10 +41,10 @@ import numpy as np
 
 from ckptd import iopool, knobs
 from ckptd.errors import CorruptCheckpoint, HashMismatch, StorageError
-from ckptd.format import hashing
+from ckptd.format import buffers, hashing
 from ckptd.format.manifest import IndexEntry
 from ckptd.storage.base import ReadHandle, Storage, holds_page, spans_join
-from ckptd.storage.local import ALIGN, map_populated
+from ckptd.storage.local import ALIGN
 
 _HASH_PIECE = 8 << 20  # bytes of a read straight into its destination hashed per task
 
@@ -182,20 +181,20 @@ def read_entries(
             # The window's bytes where they lie in a page of the file (a version-5 shard's
             # entries start inside one), so that the read goes straight into the buffer.
             phase = w.offset % ALIGN
-            buf = _BUFFERS.take(phase + w.length, reads_in_flight + k.hashers)
+            buf = buffers.READS.take(phase + w.length, reads_in_flight + k.hashers)
             data = buf[phase:]
             try:
                 handle.read_into(w.offset, data)
             except StorageError as e:
-                _BUFFERS.give(buf)
+                buffers.READS.give(buf)
                 err = failed(plain[w.parts[0].entry], w.offset, w.length, e)
                 if not collect:
                     raise err from e
                 return [err]
             except BaseException:
-                _BUFFERS.give(buf)
+                buffers.READS.give(buf)
                 raise
-        hashes.submit(functools.partial(hash_window, w, data), lambda _: _BUFFERS.give(buf))
+        hashes.submit(functools.partial(hash_window, w, data), lambda _: buffers.READS.give(buf))
         return []
 
     def read_inline(w: ReadWindow) -> list[CorruptCheckpoint]:
@@ -259,7 +258,7 @@ def read_entries(
         for w in windows:
             for p in w.parts:
                 p.entry = rest[p.entry]
-        pooled = bool(windows) and handle.can_read_into(_BUFFERS.probe)
+        pooled = bool(windows) and handle.can_read_into(buffers.READS.probe)
         one = read_window if pooled else read_inline
         tasks: list[tuple[int, Callable[[], list[CorruptCheckpoint]]]] = [
             (w.offset, functools.partial(one, w)) for w in windows
@@ -383,64 +382,6 @@ class _Hashes:
                     f.result()
                 except BaseException:  # noqa: BLE001, S110 - the read's failure is raised
                     pass
-
-
-class _Buffers:
-    """Page-aligned buffers for pipelined reads, shared by every read of the process and
-    kept (a fresh buffer's first O_DIRECT read pays for faulting in every page, see
-    ckptd.iopool). A read task takes one, waiting while `limit` are out; the hash task
-    that consumes its bytes gives it back."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._free: list[np.ndarray] = []
-        self._maps: dict[int, tuple[np.ndarray, mmap.mmap]] = {}  # by address, given out
-        self._out = 0
-        self.probe = np.frombuffer(mmap.mmap(-1, ALIGN), dtype=np.uint8)  # can_read_into
-
-    def take(self, n: int, limit: int) -> np.ndarray:
-        with self._cond:
-            while True:
-                fits = [b for b in self._free if b.nbytes >= n]
-                if fits:
-                    buf = min(fits, key=lambda b: b.nbytes)
-                    # By identity: list.remove would compare arrays element by element.
-                    self._free = [b for b in self._free if b is not buf]
-                    self._out += 1
-                    return buf[:n]
-                if self._free or self._out < limit:
-                    if self._free:  # every free one is too small: replace one
-                        del self._maps[_address(self._free.pop())]
-                    self._out += 1
-                    break
-                self._cond.wait()
-        try:
-            # A window and the part of a page before it (reads start where their bytes
-            # lie in a page: read_window's phase).
-            size = -(-max(n, knobs.get().read_window + ALIGN) // ALIGN) * ALIGN
-            mm, buf = map_populated(size)
-        except BaseException:
-            with self._cond:
-                self._out -= 1
-                self._cond.notify()
-            raise
-        with self._cond:
-            self._maps[_address(buf)] = (buf, mm)
-        return buf[:n]
-
-    def give(self, view: np.ndarray) -> None:
-        with self._cond:
-            buf, _ = self._maps[_address(view)]
-            self._free.append(buf)
-            self._out -= 1
-            self._cond.notify()
-
-
-def _address(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
-
-
-_BUFFERS = _Buffers()
 
 
 def _mismatch(

@@ -25,6 +25,7 @@ fell back to buffered) is re-read after the fsync, the page cache dropped, as be
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import threading
@@ -36,7 +37,7 @@ import numpy as np
 from ckptd import iopool, knobs
 from ckptd.errors import CkptError, CorruptCheckpoint, ShardSizeMismatch, StorageError
 from ckptd.faults import crash_point
-from ckptd.format import hashing, layout, recycle, tensorstats
+from ckptd.format import buffers, hashing, layout, recycle, tensorstats
 from ckptd.format.manifest import (
     ENTRY_ALIGN,
     PHASED_VERSION,
@@ -47,6 +48,7 @@ from ckptd.format.manifest import (
 )
 from ckptd.format.reader import ReadWindow, check_window, plan_reads, verify_entries
 from ckptd.storage.base import Piece, ReadHandle, Storage, WriteHandle
+from ckptd.storage.local import copy_into
 
 
 @dataclasses.dataclass
@@ -318,16 +320,31 @@ class ShardWriter:
                     early = _EarlyCheck(self, items, offsets, hashes, windows)
                 except _NoEarlyCheck:
                     early = None
+            # From the items' own memory, through the writes' huge-page buffers: see _Staged.
+            staged = (
+                hasher is not None
+                and image is None
+                and len(windows) > 1
+                and getattr(self.handle, "direct", False)
+            )
             tasks = [
                 functools.partial(self._write_one, w, i, early, progress)
                 for i, w in enumerate(windows)
             ]
-            pipe = iopool.Pipeline(iopool.executor(self.threads), self.threads, tasks)
+            pipe = iopool.Pipeline(
+                iopool.executor(self.threads), self.threads, [] if staged else tasks
+            )
             self._pending = _Pending(pipe, early, offsets)
             if early is not None:
                 early.pipe = pipe
             pipe.start()
-            if hasher is not None:
+            if staged:
+                assert hasher is not None
+                self._pending.staged = _Staged(
+                    self.handle, items, offsets, windows, hasher, early, pipe, progress
+                )
+                self._pending.staged.run(self.threads)
+            elif hasher is not None:
                 # Beside the writes, not in their slots: when a hash task took one of the
                 # writes' slots, fewer writes were in flight and the disk waited
                 # (bench/README.md, issue 16 twelfth pass).
@@ -351,8 +368,7 @@ class ShardWriter:
             try:
                 pending.pipe.wait()
             finally:
-                if pending.early is not None:
-                    pending.early.handle.close()
+                pending.done()
             if pending.early is not None:
                 pending.early.check_all_read()
                 # Checked only if every byte went O_DIRECT (no fallback to buffered).
@@ -509,8 +525,7 @@ class ShardWriter:
             except BaseException:  # noqa: S110 - the caller raises the failure that aborted
                 pass
             finally:
-                if pending.early is not None:
-                    pending.early.handle.close()
+                pending.done()
         if self._open:
             self.handle.abort()
             self._open = False
@@ -585,11 +600,14 @@ class _Hasher:
     def run(self, group: list[tuple[int, int]]) -> None:
         block = self.block
         for i, b in group:
-            data = self.items[i].data[b * block : (b + 1) * block]
-            self.hashes[i][b] = hashing.digest(data)
-            parts = self.parts[i]
-            if parts is not None:
-                parts[b] = tensorstats.block_stats(data, self.items[i].dtype)
+            self.block_of(i, b, self.items[i].data[b * block : (b + 1) * block])
+
+    def block_of(self, i: int, b: int, data: np.ndarray) -> None:
+        """Item i's block b, whose bytes are `data` (the item's own, or a copy)."""
+        self.hashes[i][b] = hashing.digest(data)
+        parts = self.parts[i]
+        if parts is not None:
+            parts[b] = tensorstats.block_stats(data, self.items[i].dtype)
 
     def run_all(
         self, target: int, task: Callable[[list[tuple[int, int]]], None] | None = None
@@ -673,11 +691,153 @@ def _hash_then(
 
 @dataclasses.dataclass
 class _Pending:
-    """The writes of a write() call still in flight, and their early check."""
+    """The writes of a write() call still in flight, their early check and buffers."""
 
     pipe: iopool.Pipeline
     early: _EarlyCheck | None
     offsets: Sequence[int]
+    staged: _Staged | None = None
+
+    def done(self) -> None:
+        """Once no write runs: close the read-back's handle, give the buffers back."""
+        if self.early is not None:
+            self.early.handle.close()
+        if self.staged is not None:
+            self.staged.give_back()
+
+
+# How long the staged writes' hash pass waits for a buffer while no write returns before
+# it hashes on in place (_Staged): far above a window's write on a working disk.
+_STALL_S = 0.5
+
+
+class _Staged:
+    """A write of items from their own memory, each window copied into a pooled huge-page
+    buffer by the pass that hashes it, then written from there.
+
+    O_DIRECT from a tensor's memory is slower than from a huge-page buffer: torch leaves a
+    CPU tensor in 4 KiB pages, and a device request then carries at most max_segments of
+    them (254 pages, about 1 MiB, on virtio) where from huge pages it carries 4 MiB. A
+    2 GiB overwrite took 0.74 s from 4 KiB pages and 0.58 from huge pages, at any thread
+    count or window (bench/README.md, issue 16 seventeenth pass). The hash pass reads every
+    byte anyway: it copies each block into the window's buffer and hashes it (and takes
+    its health stats) there while it is in cache, so the copy costs about 7% of the hashing.
+
+    The caller's thread takes the buffers (at most writes in flight + hash threads), so
+    no pool thread ever waits for one; a hash task fills a window and queues its write,
+    and the write gives the buffer back. A block cut by a window's edge is hashed from
+    the item's memory by the window it starts in. The hashes are back once the last
+    window is filled, a few windows before the writes end; where no write has returned
+    for _STALL_S (a stalled disk, or writes held back until the plan that waits for the
+    hashes: ckpt's write_ahead) the windows left are hashed in place and written from the
+    items' memory, as without staging.
+    """
+
+    def __init__(
+        self,
+        handle: WriteHandle,
+        items: Sequence[WriteItem],
+        offsets: Sequence[int],
+        windows: list[Window],
+        hasher: _Hasher,
+        early: _EarlyCheck | None,
+        pipe: iopool.Pipeline,
+        progress: Callable[[int], None] | None,
+    ):
+        self.handle, self.items, self.windows = handle, items, windows
+        self.hasher, self.early, self.pipe, self.progress = hasher, early, pipe, progress
+        self.order = sorted(range(len(items)), key=lambda i: (offsets[i], items[i].data.nbytes))
+        self.starts = [offsets[i] for i in self.order]
+        self.lock = threading.Lock()
+        self.lent: dict[int, np.ndarray] = {}  # window -> its buffer, until written
+        self.returned = time.monotonic()  # when a write last returned
+
+    def run(self, writes: int) -> None:
+        """Fill every window (its write queued as it is filled); returns when all are
+        filled, the items' hashes and stats set."""
+        pool = iopool.executor(knobs.get().hashers, "hash")
+        limit = writes + knobs.get().hashers
+        self.returned = time.monotonic()
+        fills = []
+        for i, w in enumerate(self.windows):
+            buf = buffers.WRITES.take_unless(w[1], limit, self._stalled)
+            if self.pipe.failed:  # a write failed: nothing more is written
+                if buf is not None:
+                    buffers.WRITES.give(buf)
+                break
+            if buf is not None:
+                with self.lock:
+                    self.lent[i] = buf
+            fills.append(pool.submit(self._fill, i, buf))
+        iopool.wait_all(fills)
+        if not self.pipe.failed:
+            self.hasher.settle()
+
+    def _stalled(self) -> bool:
+        return self.pipe.failed or time.monotonic() - self.returned > _STALL_S
+
+    def _fill(self, i: int, buf: np.ndarray | None) -> None:
+        """Window i's blocks hashed, copied into `buf` on the way (None: hashed in place),
+        and its write queued."""
+        if self.pipe.failed:
+            return
+        start, length, pieces = self.windows[i]
+        pos = 0
+        for off, arr in pieces:
+            at = off - start
+            if buf is not None and at > pos:
+                buf[pos:at] = 0
+            self._hash(off, arr.nbytes, None if buf is None else buf[at : at + arr.nbytes])
+            pos = at + arr.nbytes
+        if buf is not None and pos < length:
+            buf[pos:length] = 0
+        if self.early is not None:
+            self.early.advance()
+        self.pipe.urgent(functools.partial(self._write, i, buf))
+
+    def _hash(self, off: int, n: int, out: np.ndarray | None) -> None:
+        """The `n` bytes at file offset `off` (part of one item): copied into `out` block
+        by block where given, each block of the item that lies whole in them hashed from
+        the copy; a block that starts in them but goes on past them, or every block that
+        starts in them when there is no copy, from the item's memory."""
+        k = bisect.bisect_right(self.starts, off) - 1
+        i = self.order[k]
+        data = self.items[i].data
+        lo = off - self.starts[k]  # where the bytes lie in the item
+        hi = lo + n
+        block = self.hasher.block
+        for b in range(lo // block, -(-hi // block)):
+            bs, be = b * block, min((b + 1) * block, data.nbytes)
+            if out is not None:
+                a, z = max(bs, lo), min(be, hi)
+                copy_into(out[a - lo : z - lo], data[a:z])
+                if lo <= bs and be <= hi:
+                    self.hasher.block_of(i, b, out[bs - lo : be - lo])
+                    continue
+            if lo <= bs:
+                self.hasher.block_of(i, b, data[bs:be])
+
+    def _write(self, i: int, buf: np.ndarray | None) -> None:
+        start, length, pieces = self.windows[i]
+        try:
+            _write_window(
+                self.handle, start, length, pieces if buf is None else [(start, buf)], self.progress
+            )
+        finally:
+            if buf is not None:
+                with self.lock:
+                    self.lent.pop(i, None)
+                buffers.WRITES.give(buf)
+            self.returned = time.monotonic()
+        if self.early is not None:
+            self.early.wrote(i)
+
+    def give_back(self) -> None:
+        """The buffers of windows never written (a write failed, the file was aborted)."""
+        with self.lock:
+            lent, self.lent = self.lent, {}
+        for buf in lent.values():
+            buffers.WRITES.give(buf)
 
 
 class _EarlyCheck:
