@@ -10,7 +10,10 @@ whose memory is page-aligned straight from it, the rest through a bounce buffer,
 pwritev; buffered: one pwritev from the pieces' memory). The same bytes are hashed on
 the hash threads meanwhile (ckptd.iopool): blake3 and the I/O calls both release the GIL,
 so the disk and the cores are busy at once, and a caller that plans with the hashes can
-do so while the last writes are in flight (write(wait=False)). Only after the data is
+do so while the last writes are in flight (write(wait=False)). An O_DIRECT write of
+items from their own memory (no image: a one-shot save) is staged instead: the hash
+pass copies each window into a pooled huge-page buffer as it hashes it, and the window
+is written from there (_Staged says why). Only after the data is
 durable is the index written, and only after verification does the caller get a
 ShardInfo it may commit.
 
