@@ -13,6 +13,7 @@ from ckpt_testutil import DelegatingStorage, DelegatingWriteHandle
 
 from ckptd import knobs
 from ckptd.errors import HashMismatch
+from ckptd.format import buffers
 from ckptd.format.writer import WriteItem, write_shard
 from ckptd.storage.base import Piece, ReadHandle, WriteHandle
 from ckptd.storage.local import LocalStorage
@@ -151,3 +152,6 @@ def test_a_byte_the_device_holds_differently_fails_before_the_fsync(tmp_path, ta
             _save(storage, "full")
     assert "fsync" not in [k for k, _ in storage.log]
     assert not storage.inner.exists("step-000000000001/shards/rank-00000.bin")
+    # The read-back's buffers (its hashing runs on the hash threads) and the staged
+    # writes' buffers all came back.
+    assert buffers.READS.out == 0 and buffers.WRITES.out == 0

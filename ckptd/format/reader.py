@@ -428,6 +428,44 @@ def check_window(
     return _check_parts(storage, path, w, data, entries, collect, sink, progress)
 
 
+def check_window_pooled(
+    storage: Storage,
+    path: str,
+    handle: ReadHandle,
+    w: ReadWindow,
+    entries: Sequence[IndexEntry],
+    hash_pool: ThreadPoolExecutor,
+    limit: int,
+    failed: Callable[[BaseException], None],
+) -> Future[list[CorruptCheckpoint]]:
+    """As check_window, but the window is read into a pooled buffer (waiting while `limit`
+    are out) and checked by a task on `hash_pool`, which gives the buffer back: the
+    reading thread is free for the next transfer while the bytes are hashed. The check's
+    failure goes to `failed` as well as to the returned future."""
+    phase = w.offset % ALIGN  # read straight into the buffer where the bytes lie in a page
+    buf = buffers.READS.take(phase + w.length, limit)
+    data = buf[phase:]
+    try:
+        handle.read_into(w.offset, data)
+    except StorageError as e:
+        buffers.READS.give(buf)
+        raise _failed(storage, path, entries[w.parts[0].entry], w.offset, w.length, e) from e
+    except BaseException:
+        buffers.READS.give(buf)
+        raise
+
+    def check() -> list[CorruptCheckpoint]:
+        try:
+            return _check_parts(storage, path, w, data, entries, False, None, None)
+        except BaseException as e:
+            failed(e)
+            raise
+        finally:
+            buffers.READS.give(buf)
+
+    return hash_pool.submit(check)
+
+
 def _check_parts(
     storage: Storage,
     path: str,
