@@ -16,10 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from ckptd.format import hashing, layout
 from ckptd.storage.base import PendingUpload, Piece, ReadHandle, Storage, WriteHandle
+from ckptd.storage.local import LocalStorage
 
 # ----------------------------------------------------------------------------- comparison
 
@@ -229,6 +231,28 @@ class DelegatingWriteHandle(WriteHandle):
 
     def abort(self) -> None:
         self.inner.abort()
+
+
+class DirectDelegatingWriteHandle(DelegatingWriteHandle):
+    """As DelegatingWriteHandle, and says whether `inner` writes O_DIRECT, as the writer
+    asks before it stages windows or reads them back early."""
+
+    @property
+    def direct(self) -> bool:
+        return bool(getattr(self.inner, "direct", False))
+
+
+def direct_local_storage(root: str | os.PathLike[str]) -> LocalStorage:
+    """A LocalStorage at `root` whose shard files are written O_DIRECT; the test is skipped
+    where the filesystem refuses it (tmpfs)."""
+    storage = LocalStorage(str(root), create=True)
+    probe = storage.open_write("probe.bin", 4096)
+    direct = bool(getattr(probe, "direct", False))
+    probe.abort()
+    storage.remove_tree("probe.bin")
+    if not direct:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    return storage
 
 
 class DelegatingStorage(Storage):

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from ckpt_testutil import DelegatingStorage, DelegatingWriteHandle
+from ckpt_testutil import DelegatingStorage, DirectDelegatingWriteHandle, direct_local_storage
 
 from ckptd import knobs
 from ckptd.errors import HashMismatch
@@ -46,11 +46,7 @@ class Recording(DelegatingStorage):
         inner = self.inner.open_write(path, size, preallocate=preallocate, reuse=reuse)
         outer = self
 
-        class Handle(DelegatingWriteHandle):
-            @property
-            def direct(self) -> bool:
-                return bool(getattr(inner, "direct", False))
-
+        class Handle(DirectDelegatingWriteHandle):
             def write(self, offset: int, length: int, pieces: Sequence[Piece]) -> None:
                 if outer.corrupt_at is not None and offset <= outer.corrupt_at < offset + length:
                     # The device keeps something else than it was given (a lost write).
@@ -110,23 +106,12 @@ def _save(storage: Recording, verify: str) -> None:
         )  # fmt: skip
 
 
-def _direct(tmp_path) -> LocalStorage:
-    inner = LocalStorage(str(tmp_path / "job"), create=True)
-    probe = inner.open_write("probe.bin", 4096)
-    direct = bool(getattr(probe, "direct", False))
-    probe.abort()
-    inner.remove_tree("probe.bin")
-    if not direct:
-        pytest.skip("this filesystem refuses O_DIRECT")
-    return inner
-
-
 def test_full_verify_reads_back_while_writing_and_before_the_fsync(tmp_path):
     # The last window's write waits for a read-back: one that only comes after every
     # write (no early check) leaves it waiting out its 30 s, and the order below fails.
     # Unheld, a machine that wrote all 16 windows before the first two were hashed
     # failed it now and then (after other tests had warmed the I/O threads' buffers).
-    storage = Recording(_direct(tmp_path), hold_from=120 * MiB)
+    storage = Recording(direct_local_storage(tmp_path / "job"), hold_from=120 * MiB)
     _save(storage, "full")
     kinds = [k for k, _ in storage.log]
     writes = [i for i, k in enumerate(kinds) if k == "write"]
@@ -140,13 +125,13 @@ def test_full_verify_reads_back_while_writing_and_before_the_fsync(tmp_path):
 
 
 def test_size_verify_reads_nothing_back(tmp_path):
-    storage = Recording(_direct(tmp_path))
+    storage = Recording(direct_local_storage(tmp_path / "job"))
     _save(storage, "size")
     assert not [k for k, _ in storage.log if k == "read"]
 
 
 def test_a_byte_the_device_holds_differently_fails_before_the_fsync(tmp_path, tally):
-    storage = Recording(_direct(tmp_path), corrupt_at=40 * MiB + 5)
+    storage = Recording(direct_local_storage(tmp_path / "job"), corrupt_at=40 * MiB + 5)
     with tally.fault("device:lost-write-read-back-early"):
         with pytest.raises(HashMismatch, match="block 40"):
             _save(storage, "full")

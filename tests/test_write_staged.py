@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ckpt_testutil import DelegatingStorage, DelegatingWriteHandle
+from ckpt_testutil import DelegatingStorage, DirectDelegatingWriteHandle, direct_local_storage
 
 from ckptd import knobs
 from ckptd.errors import StorageError
@@ -59,17 +59,6 @@ def _layout(items: list[WriteItem]) -> tuple[list[int], int]:
     return plan_offsets([it.data.nbytes for it in items], ALIGN, phases)
 
 
-def _direct(root) -> LocalStorage:  # noqa: ANN001
-    storage = LocalStorage(str(root), create=True)
-    probe = storage.open_write("probe.bin", ALIGN)
-    direct = bool(getattr(probe, "direct", False))
-    probe.abort()
-    storage.remove_tree("probe.bin")
-    if not direct:
-        pytest.skip("this filesystem refuses O_DIRECT")
-    return storage
-
-
 def _write(storage, items, *, wait: bool = True):  # noqa: ANN001, ANN202
     offsets, size = _layout(items)
     w = ShardWriter(
@@ -91,7 +80,7 @@ def test_the_same_bytes_hashes_and_stats_as_a_write_from_the_items(tmp_path, see
     runs = []
     with knobs.override(io_window=96 * KiB, block_size=48 * KiB, alignment=ALIGN):
         for storage in (
-            _direct(tmp_path / "d"),
+            direct_local_storage(tmp_path / "d"),
             LocalStorage(str(tmp_path / "b"), direct_io=False, create=True),
         ):
             for it in items:
@@ -131,11 +120,7 @@ class _Failing(DelegatingStorage):
         inner = self.inner.open_write(path, size, preallocate=preallocate, reuse=reuse)
         outer = self
 
-        class Handle(DelegatingWriteHandle):
-            @property
-            def direct(self) -> bool:
-                return bool(getattr(inner, "direct", False))
-
+        class Handle(DirectDelegatingWriteHandle):
             def write(self, offset: int, length: int, pieces: Sequence[Piece]) -> None:
                 if outer.hold_from is not None and offset >= outer.hold_from:
                     outer.release.wait(10)
@@ -150,7 +135,7 @@ class _Failing(DelegatingStorage):
 def test_a_failed_write_stops_the_rest_and_every_buffer_comes_back(tmp_path) -> None:
     data = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8)
     with knobs.override(io_window=64 * KiB, alignment=ALIGN):
-        storage = _Failing(_direct(tmp_path), fail_at=10 * 64 * KiB)
+        storage = _Failing(direct_local_storage(tmp_path), fail_at=10 * 64 * KiB)
         offsets, size = plan_offsets([data.nbytes], ALIGN)
         w = ShardWriter(
             storage, job="j", step=3, rank=1, world_size=2, generation=0, size=size, verify="size"
@@ -169,7 +154,7 @@ def test_the_hashes_do_not_wait_for_writes_that_do_not_move(tmp_path) -> None:
     are back; the bytes are right once the writes go on."""
     data = np.random.default_rng(2).integers(0, 256, 8 << 20, dtype=np.uint8)
     with knobs.override(io_window=64 * KiB, alignment=ALIGN):
-        storage = _Failing(_direct(tmp_path), hold_from=0)
+        storage = _Failing(direct_local_storage(tmp_path), hold_from=0)
         item = _item("w", data)
         t0 = time.monotonic()
         w, offsets, _, hashes = _write(storage, [item], wait=False)
