@@ -657,10 +657,12 @@ def tensor_spans(b: Bench, window: int) -> list[tuple[int, list[memoryview]]]:
 
 @method("floor", "floor (info): overwrite the pool's file from the tensors' memory, best")
 def floor_overwrite_pool_from_tensors(b: Bench) -> float:
-    """As the pool overwrite floor, but from the tensors' own memory, no copy (what a
-    one-shot save writes from; torch leaves it in 4 KiB pages unless THP_MEM_ALLOC_ENABLE
-    is set, and a device request then carries fewer bytes): the part of the gap between the
-    recycled save and its floor that is the memory, not ckpt."""
+    """As the pool overwrite floor, but from the tensors' own memory, no copy. Torch
+    leaves that in 4 KiB pages unless THP_MEM_ALLOC_ENABLE is set, and a device request
+    then carries fewer bytes. A one-shot save wrote from there until it began copying
+    each window into huge-page buffers as it hashes it (ckptd.format.writer._Staged); the
+    recycled save over this figure is what that copy gains (bench/README.md, issue 16
+    seventeenth pass)."""
     job, _ = _recycled_job(b)
     (pool_file,) = _pool_files(job)
     return _overwrite_sweep(
