@@ -2,9 +2,11 @@
 
 A fresh buffer's first O_DIRECT transfer pays for faulting in and pinning every page (see
 ckptd.iopool and ckptd.storage.local.map_populated), so the windows of loads and saves go
-through buffers taken from a pool and given back, never mapped per window. Loads and
-saves each have a pool of their own (READS, WRITES), so that neither waits for buffers
-the other holds.
+through buffers taken from a pool and given back, never mapped per window. Reads and
+the staged writes of a save each have a pool of their own (READS: loads, verifies and a
+save's early read-back; WRITES: writer._Staged), so that a save's writes never wait for
+buffers a load holds. Buffers are taken by the caller's thread or a reading task and given
+back by the task that consumes them, which never waits on anything itself.
 """
 
 from __future__ import annotations
