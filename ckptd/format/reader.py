@@ -178,22 +178,13 @@ def read_entries(
     def read_window(w: ReadWindow) -> list[CorruptCheckpoint]:
         """Into a pooled buffer, hashed (and sunk) by a hash task that frees the buffer."""
         with reading:
-            # The window's bytes where they lie in a page of the file (a version-5 shard's
-            # entries start inside one), so that the read goes straight into the buffer.
-            phase = w.offset % ALIGN
-            buf = buffers.READS.take(phase + w.length, reads_in_flight + k.hashers)
-            data = buf[phase:]
             try:
-                handle.read_into(w.offset, data)
+                buf, data = _read_pooled(handle, w, reads_in_flight + k.hashers)
             except StorageError as e:
-                buffers.READS.give(buf)
                 err = failed(plain[w.parts[0].entry], w.offset, w.length, e)
                 if not collect:
                     raise err from e
                 return [err]
-            except BaseException:
-                buffers.READS.give(buf)
-                raise
         hashes.submit(functools.partial(hash_window, w, data), lambda _: buffers.READS.give(buf))
         return []
 
@@ -428,6 +419,22 @@ def check_window(
     return _check_parts(storage, path, w, data, entries, collect, sink, progress)
 
 
+def _read_pooled(handle: ReadHandle, w: ReadWindow, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Window `w` read into a pooled buffer (buffers.READS, waiting while `limit` are out):
+    (the buffer, to give back once its bytes are consumed; the window's bytes in it). The
+    bytes lie where they lie in a page of the file (a version-5 shard's entries start
+    inside one), so that the read goes straight into the buffer. A failed read gives the
+    buffer back and raises."""
+    phase = w.offset % ALIGN
+    buf = buffers.READS.take(phase + w.length, limit)
+    try:
+        handle.read_into(w.offset, buf[phase:])
+    except BaseException:
+        buffers.READS.give(buf)
+        raise
+    return buf, buf[phase:]
+
+
 def check_window_pooled(
     storage: Storage,
     path: str,
@@ -442,17 +449,10 @@ def check_window_pooled(
     are out) and checked by a task on `hash_pool`, which gives the buffer back: the
     reading thread is free for the next transfer while the bytes are hashed. The check's
     failure goes to `failed` as well as to the returned future."""
-    phase = w.offset % ALIGN  # read straight into the buffer where the bytes lie in a page
-    buf = buffers.READS.take(phase + w.length, limit)
-    data = buf[phase:]
     try:
-        handle.read_into(w.offset, data)
+        buf, data = _read_pooled(handle, w, limit)
     except StorageError as e:
-        buffers.READS.give(buf)
         raise _failed(storage, path, entries[w.parts[0].entry], w.offset, w.length, e) from e
-    except BaseException:
-        buffers.READS.give(buf)
-        raise
 
     def check() -> list[CorruptCheckpoint]:
         try:

@@ -331,13 +331,16 @@ class ShardWriter:
                 and len(windows) > 1
                 and getattr(self.handle, "direct", False)
             )
-            tasks = [
-                functools.partial(self._write_one, w, i, early, progress)
-                for i, w in enumerate(windows)
-            ]
-            pipe = iopool.Pipeline(
-                iopool.executor(self.threads), self.threads, [] if staged else tasks
+            # Staged writes are queued as their windows are filled.
+            tasks = (
+                []
+                if staged
+                else [
+                    functools.partial(self._write_one, w, i, early, progress)
+                    for i, w in enumerate(windows)
+                ]
             )
+            pipe = iopool.Pipeline(iopool.executor(self.threads), self.threads, tasks)
             self._pending = _Pending(pipe, early, offsets)
             if early is not None:
                 early.pipe = pipe
