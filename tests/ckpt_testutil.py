@@ -268,7 +268,14 @@ class DelegatingStorage(Storage):
     def open_write(
         self, path: str, size: int, *, preallocate: bool = False, reuse: str | None = None
     ) -> WriteHandle:
-        return self.inner.open_write(path, size, preallocate=preallocate, reuse=reuse)
+        return self.wrap_write(
+            self.inner.open_write(path, size, preallocate=preallocate, reuse=reuse)
+        )
+
+    def wrap_write(self, inner: WriteHandle) -> WriteHandle:
+        """The handle open_write returns for `inner`, the real storage's: a wrapper that
+        changes how shard writes behave overrides this."""
+        return inner
 
     def open_read(self, path: str, *, cold: bool = False) -> ReadHandle:
         return self.inner.open_read(path, cold=cold)

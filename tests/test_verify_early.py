@@ -40,10 +40,7 @@ class Recording(DelegatingStorage):
         with self.lock:
             self.log.append((what, offset))
 
-    def open_write(
-        self, path: str, size: int, *, preallocate: bool = False, reuse: str | None = None
-    ) -> WriteHandle:
-        inner = self.inner.open_write(path, size, preallocate=preallocate, reuse=reuse)
+    def wrap_write(self, inner: WriteHandle) -> WriteHandle:
         outer = self
 
         class Handle(DirectDelegatingWriteHandle):

@@ -114,10 +114,7 @@ class _Failing(DelegatingStorage):
         self.release = threading.Event()
         self.written: list[int] = []
 
-    def open_write(
-        self, path: str, size: int, *, preallocate: bool = False, reuse: str | None = None
-    ) -> WriteHandle:
-        inner = self.inner.open_write(path, size, preallocate=preallocate, reuse=reuse)
+    def wrap_write(self, inner: WriteHandle) -> WriteHandle:
         outer = self
 
         class Handle(DirectDelegatingWriteHandle):
