@@ -56,14 +56,19 @@ class Knobs:
     # Entries start at multiples of this inside a shard file (O_DIRECT, mmap); with
     # phased_layout, where their memory is in such a multiple.
     alignment: int = 4096
-    # A save that writes tensors from their own memory under O_DIRECT lays each entry out
-    # at its memory's place in a page (format version 5, manifest.PHASED_VERSION), so the
-    # disk takes the bytes straight from the tensor: a 2.13 GB one-shot save used 0.33-0.46
-    # CPU-s less (of 1.66-1.87); its time is the disk's where the disk is the limit
-    # (bench/README.md, thirteenth pass). Off: entries at page-aligned offsets (version 2,
-    # readable by ckptd before version 5), every byte copied into an aligned buffer on its
-    # way to the disk.
-    phased_layout: bool = True
+    # On: a save that writes tensors from their own memory under O_DIRECT lays each entry
+    # out at its memory's place in a page (format version 5, manifest.PHASED_VERSION), so
+    # the disk could take the bytes straight from the tensor. Off (the default): entries at
+    # page-aligned offsets (version 2, readable by ckptd before version 5). Since such a
+    # save copies each window into huge-page buffers as it hashes it (writer._Staged), the
+    # phased places spared no copy in a write of more than one window, and they cost loads:
+    # a page-aligned destination (huge pages, the bench's) had to take every byte through
+    # the pooled buffers, and one in the file's phase was read into straight, in torch's
+    # 4 KiB pages, which the disk fills slower than the pooled copy costs. 2.13 GB, 5
+    # alternated reps: loads into a huge-page destination 0.907 s from version 2 against
+    # 0.961 from version 5, into torch tensors 0.934 against 1.049; the recycled save 0.723
+    # against 0.745, new-file saves within the noise (bench/README.md, eighteenth pass).
+    phased_layout: bool = False
     # Largest single positional write/read; also the bounce-buffer size for O_DIRECT.
     # 32 MiB: a one-rank save(verify="full") of 2.13 GB, write and early read-back
     # overlapped, ran at 0.97 of the same disk's overlapped write + read-back in 32 MiB

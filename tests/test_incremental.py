@@ -102,7 +102,7 @@ def test_a_full_save_is_unchanged_version_2(tmp_path: Path) -> None:
     """Saves that borrow nothing (incremental off, or the first one) stay version 2, so
     an older ckptd reads them; a step that borrows is version 3, and an older reader
     refuses it clearly rather than reading a shard without the borrowed bytes. (A one-shot
-    save from the tensors' own memory is version 5 unless phased_layout is off:
+    save from the tensors' own memory is version 5 where phased_layout is on:
     test_phased_layout.py.)"""
     job = tmp_path / "job"
     with ckpt.Checkpointer(job, incremental=True) as c:

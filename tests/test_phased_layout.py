@@ -1,6 +1,7 @@
-"""Format version 5 (manifest.PHASED_VERSION): a save that writes tensors from their own
-memory under O_DIRECT places each large entry in the file as its memory lies in its page,
-so the disk takes the bytes straight from the tensor instead of through a bounce copy;
+"""Format version 5 (manifest.PHASED_VERSION), with CKPT_PHASED_LAYOUT=1 (off by default:
+knobs.phased_layout says why): a save that writes tensors from their own memory under
+O_DIRECT places each large entry in the file as its memory lies in its page, so the disk
+takes the bytes straight from the tensor instead of through a bounce copy;
 the manifest says version 5 (an older ckptd lists the step as unreadable, never judges it
 corrupt); the packing rule of version 5 is checked like version 2's; loads read such
 entries straight into tensors placed the same way."""
@@ -26,6 +27,12 @@ from ckptd.server import ServerOptions
 from ckptd.storage import counters, local, open_storage
 
 MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def phased_layout():
+    with knobs.override(phased_layout=True):
+        yield
 
 
 def state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -61,6 +68,17 @@ def _entries(job: str, step: int) -> dict[str, dict]:
 def _version(job: str, step: int) -> tuple[int, int]:
     d = Path(job) / f"step-{step:012d}"
     return read_json(d / "MANIFEST.json")["version"], _index(job, step)["version"]
+
+
+def test_the_default_layout_is_aligned_version_2(job):
+    with knobs.override(phased_layout=knobs.Knobs().phased_layout):
+        s = state()
+        assert s["a"].data_ptr() % 4096 != 0  # else this test proves nothing
+        ckpt.save(s, job, step=1)
+        assert all(e["offset"] % 4096 == 0 for e in _entries(job, 1).values())
+        assert _version(job, 1) == (2, 2)
+        out = ckpt.load({}, job).state
+        assert all(torch.equal(out[k], t) for k, t in s.items())
 
 
 def test_large_entries_lie_in_the_file_as_their_memory_lies_in_its_page(job):
