@@ -81,6 +81,28 @@ def test_the_default_layout_is_aligned_version_2(job):
         assert all(torch.equal(out[k], t) for k, t in s.items())
 
 
+def test_a_job_saved_phased_goes_on_under_the_default(job):
+    """Steps written as version 5 (the default before 2026-12-05) stay loadable, and an
+    incremental save under the aligned default that borrows from one is version 5 itself
+    (its entries name the lender's phased offsets), while what it writes anew is aligned."""
+    s = state()
+    ckpt.save(s, job, step=1)
+    assert _version(job, 1) == (mf.PHASED_VERSION, mf.PHASED_VERSION)
+    changed = {**s, "b": s["b"] + 1}
+    with knobs.override(phased_layout=False):
+        with ckpt.Checkpointer(job, incremental=True, staging_budget_bytes=0) as cp:
+            finished(cp.save(changed, 2))
+        got = _entries(job, 2)
+        assert got["a"]["file"].startswith("../step-000000000001/")  # borrowed, phased
+        assert got["a"]["offset"] % 4096 and got["b"]["offset"] % 4096 == 0  # b: written anew
+        assert _version(job, 2) == (mf.PHASED_VERSION, mf.PHASED_VERSION)
+        for step, want in ((1, s), (2, changed)):
+            out = ckpt.load({}, job, step=step).state
+            assert all(torch.equal(out[k], t) for k, t in want.items()), step
+        report = ckfmt.verify_checkpoint(open_storage(job), 2, level="full")
+        assert report.bytes_checked >= sum(t.nbytes for t in changed.values())
+
+
 def test_large_entries_lie_in_the_file_as_their_memory_lies_in_its_page(job):
     s = state()
     ckpt.save(s, job, step=1, verify="full")
