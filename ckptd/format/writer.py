@@ -947,7 +947,8 @@ class _EarlyCheck:
         futures.wait(checks)
 
     def check_all_read(self) -> None:
-        self.drain()
+        """After _Pending.done() drained the checks: the first failure raised, and a
+        window never read back is a bug."""
         iopool.wait_all(self.checks)
         if self.next < len(self.reads):  # every task ended, so every window was ready
             raise CorruptCheckpoint(
