@@ -3,7 +3,8 @@
 One run measures, inside every repetition (methods interleaved, so a slow period of the
 disk hits all of them):
   limits  memcpy, raw write+fsync (buffered / O_DIRECT, new / preallocated / overwritten
-          file), raw cold read (buffered / O_DIRECT), blake3
+          file), raw cold read (buffered / O_DIRECT), blake3, and ckpt's own hash pass
+          (blake3 + health stats, the CPU work a save does per byte)
   peers   torch.save/load(mmap), safetensors, torch.distributed.checkpoint (DCP)
   DCP through ckptd  DCP's save/load with ckpt.integrations.dcp's StorageWriter/Reader
   floors  the very files (or a file of the same size in the same place) the ckpt method
@@ -933,7 +934,7 @@ def ratios(
     )
     direct_read = best([n for n in med if n.startswith("raw cold read, O_DIRECT")])
     blake2 = med.get("blake3, 2 threads", nan)
-    hash_pass = med.get("ckpt's hash pass: blake3 + health stats, 2 threads", nan)
+    one_pass = med.get("ckpt's hash pass: blake3 + health stats, 2 threads", nan)
     shard_read = med.get("floor: cold read of ckpt's shard files, O_DIRECT, best", nan)
     read_floor = min(shard_read, blake2)
     write_read = med.get("floor: write new file + cold read it back, O_DIRECT, best", nan)
@@ -989,7 +990,7 @@ def ratios(
         # in one pass; where that pass is slower than the overwrite, no save keeps pace.
         (
             "  ceiling: min(that floor, ckpt's hash pass on 2 thr) / that floor",
-            min(pool_write, hash_pass) if hash_pass == hash_pass else nan,
+            min(pool_write, one_pass) if one_pass == one_pass else nan,
             pool_write,
             None,
         ),
