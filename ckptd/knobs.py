@@ -85,6 +85,13 @@ class Knobs:
     # flight while the hash threads hold the cores; with 4, reads waited for a core on 2
     # busy cores and the disk idled (bench/README.md, issue 16 fourth pass).
     read_threads: int = 8
+    # Reads into the pooled buffers in flight at once, at most read_threads: a verify's, and
+    # a load's into memory it cannot read into straight (CUDA tensors, strided boxes). On
+    # the 2-core VM a verify with 4, 6 or 8 ran within the noise of each other
+    # (bench/README.md, nineteenth pass); the H200 machine's cold read of the same files was
+    # best at 8 x 64 MiB, so bench/gpu.py also loads into CUDA tensors with 8 (the pooled
+    # buffers number this + the hash threads, read_window bytes each).
+    pooled_reads: int = 4
     # Threads that hash what a load or verify reads; 0: one per CPU this process may run
     # on, at most 8 (`hashers`).
     hash_threads: int = 0
@@ -157,6 +164,7 @@ def _from_env() -> Knobs:
         read_window=_env_int("CKPT_READ_WINDOW", d.read_window),
         io_threads=_env_int("CKPT_IO_THREADS", d.io_threads),
         read_threads=_env_int("CKPT_READ_THREADS", d.read_threads),
+        pooled_reads=_env_int("CKPT_POOLED_READS", d.pooled_reads),
         hash_threads=_env_int("CKPT_HASH_THREADS", d.hash_threads),
         direct_io=_env_bool("CKPT_DIRECT_IO", d.direct_io),
         phased_layout=_env_bool("CKPT_PHASED_LAYOUT", d.phased_layout),

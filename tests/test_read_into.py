@@ -7,6 +7,8 @@ them."""
 from __future__ import annotations
 
 import mmap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -202,6 +204,53 @@ def test_pooled_read_buffers_come_back_after_a_failed_read(job):
     storage.open_read = lambda p, cold=False: Failing(inner(p, cold=cold))  # type: ignore[method-assign]
     problems = reader.verify_entries(storage, path, entries, knobs.get().block_size)
     assert problems and all("refused" in str(p) for p in problems)
+    assert buffers.READS.out == 0
+
+
+@pytest.mark.parametrize("cap", [2, 6])
+def test_pooled_reads_in_flight_are_the_knobs(job, cap):
+    """knobs.pooled_reads is how many reads into the pooled buffers a verify (or a load into
+    memory it cannot read into straight) keeps in flight: each read here waits until `cap`
+    are in, so fewer would time out, and holds its slot a moment, so more would show."""
+    from ckptd.format import buffers, reader
+    from ckptd.storage.base import ReadHandle
+
+    state = {"w": torch.randn(4 << 20, generator=torch.Generator().manual_seed(7))}  # 16 MiB
+    storage, path, entries = _save_one_shard(job, state)
+    lock = threading.Condition()
+    inflight = [0, 0]  # now, most
+    inner = storage.open_read
+
+    class Counting(ReadHandle):
+        def __init__(self, h: ReadHandle):
+            self.h, self.path, self.size = h, h.path, h.size
+
+        def read(self, offset: int, length: int) -> np.ndarray:
+            return self.h.read(offset, length)
+
+        def can_read_into(self, out: np.ndarray, offset: int = 0) -> bool:
+            return self.h.can_read_into(out, offset)
+
+        def read_into(self, offset: int, out: np.ndarray) -> None:
+            with lock:
+                inflight[0] += 1
+                inflight[1] = max(inflight[1], inflight[0])
+                lock.notify_all()
+                lock.wait_for(lambda: inflight[0] >= cap, timeout=5)
+            time.sleep(0.02)
+            try:
+                self.h.read_into(offset, out)
+            finally:
+                with lock:
+                    inflight[0] -= 1
+
+        def close(self) -> None:
+            self.h.close()
+
+    storage.open_read = lambda p, cold=False: Counting(inner(p, cold=cold))  # type: ignore[method-assign]
+    with knobs.override(read_window=1 << 20, read_threads=8, pooled_reads=cap):
+        assert reader.verify_entries(storage, path, entries, knobs.get().block_size) == []
+    assert inflight[1] == cap
     assert buffers.READS.out == 0
 
 

@@ -166,13 +166,13 @@ def read_entries(
     def hash_window(w: ReadWindow, data: np.ndarray) -> list[CorruptCheckpoint]:
         return _check_parts(storage, path, w, data, plain, collect, sink, progress)
 
-    # Reads into pooled buffers: at most `reads_in_flight` at once, and that many +
-    # hashers buffers, so that a buffer is always free for a read while others wait for
-    # their hash (with 8 readers and 6 buffers, every buffer could be in a read at once,
-    # and then no read could start until a hash task freed one). What made verify slow
-    # (0.6 of a cold read of the same file) was the buffers' pages, not this: see
-    # ckptd.storage.local.map_populated.
-    reads_in_flight = min(readers, 4)
+    # Reads into pooled buffers: at most `reads_in_flight` (the knob pooled_reads) at once,
+    # and that many + hashers buffers, so that a buffer is always free for a read while
+    # others wait for their hash (with 8 readers and 6 buffers, every buffer could be in a
+    # read at once, and then no read could start until a hash task freed one). What made
+    # verify slow (0.6 of a cold read of the same file) was the buffers' pages, not this:
+    # see ckptd.storage.local.map_populated.
+    reads_in_flight = max(1, min(readers, k.pooled_reads))
     reading = threading.Semaphore(reads_in_flight)
 
     def read_window(w: ReadWindow) -> list[CorruptCheckpoint]:
