@@ -203,6 +203,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(max(t for t, _ in READ_SWEEP)):
             bufs.put(C.aligned_buffer(max(w for _, w in READ_SWEEP)))
 
+        def cold_load(step: int, what: str = "", **overrides: Any) -> Any:
+            """ckpt.load of `step` into fresh CUDA tensors, page cache dropped, under the
+            knobs' `overrides`: timed as the figure `what` names, checked; the tensors."""
+            dst = like(state)
+            C.drop_caches(work)
+            with knobs.override(**overrides):
+                t0 = time.perf_counter()
+                ckpt.load(dst, work / "ckpt", step=step)
+                torch.cuda.synchronize()
+            add(f"ckpt.load into CUDA tensors{what} GB/s", gb / (time.perf_counter() - t0))
+            check_equal(dst, state, f"ckpt.load{what}")
+            return dst
+
         cp = ckpt.Checkpointer(work / "ckpt", verify="full", keep_last=2)
         cp.resume(state, allow_fresh_start=True)  # maps + registers the staging image
         t0 = time.perf_counter()
@@ -265,35 +278,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             floor_s, sweep = C.best_cold_read(shards, READ_SWEEP, bufs, work)
             notes.setdefault("floor_sweeps", []).append(sweep)
             add("cold read of the step's shard files GB/s", gb / floor_s)
-            dst = like(state)
-            C.drop_caches(work)
-            t0 = time.perf_counter()
-            ckpt.load(dst, work / "ckpt", step=step)
-            torch.cuda.synchronize()
-            add("ckpt.load into CUDA tensors GB/s", gb / (time.perf_counter() - t0))
-            check_equal(dst, state, "ckpt.load")
+            dst = cold_load(step)
             add("pinned copy_ H2D GB/s", gb / h2d_copy(C.flat_tensors(dst), host))
             # The other way to stream verified blocks to the device: each copied straight
             # from the reader's pageable buffer (no pinned ring).
-            dst = like(state)
-            C.drop_caches(work)
-            with knobs.override(device_load_ring=0):
-                t0 = time.perf_counter()
-                ckpt.load(dst, work / "ckpt", step=step)
-                torch.cuda.synchronize()
-            add("ckpt.load into CUDA tensors, no pinned ring GB/s", gb / (time.perf_counter() - t0))
-            check_equal(dst, state, "ckpt.load, no pinned ring")
+            cold_load(step, ", no pinned ring", device_load_ring=0)
             # CUDA targets take every window through the pooled read buffers, 4 reads in
             # flight by default (knobs.pooled_reads); this machine's cold read of the same
             # files was best at 8 x 64 MiB (bench/README.md, gpu.py run 3).
-            dst = like(state)
-            C.drop_caches(work)
-            with knobs.override(pooled_reads=8):
-                t0 = time.perf_counter()
-                ckpt.load(dst, work / "ckpt", step=step)
-                torch.cuda.synchronize()
-            add("ckpt.load into CUDA tensors, 8 pooled reads GB/s", gb / (time.perf_counter() - t0))
-            check_equal(dst, state, "ckpt.load, 8 pooled reads")
+            cold_load(step, ", 8 pooled reads", pooled_reads=8)
             dst = like(state)
             C.drop_caches(work)
             t0 = time.perf_counter()
