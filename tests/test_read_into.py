@@ -20,11 +20,31 @@ from ckptd.errors import HashMismatch, StorageError
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format.reader import read_entries
 from ckptd.storage import counters, open_storage
+from ckptd.storage.base import ReadHandle
 
 
 def _aligned(n: int, phase: int = 0) -> np.ndarray:
     """n bytes of memory `phase` bytes into a page."""
     return np.frombuffer(mmap.mmap(-1, phase + n), dtype=np.uint8)[phase:]
+
+
+class _Handle(ReadHandle):
+    """A storage read handle passed through, for a test to change one of its calls."""
+
+    def __init__(self, h: ReadHandle):
+        self.h, self.path, self.size = h, h.path, h.size
+
+    def read(self, offset: int, length: int) -> np.ndarray:
+        return self.h.read(offset, length)
+
+    def can_read_into(self, out: np.ndarray, offset: int = 0) -> bool:
+        return self.h.can_read_into(out, offset)
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        self.h.read_into(offset, out)
+
+    def close(self) -> None:
+        self.h.close()
 
 
 def _save_one_shard(job: str, state: dict[str, torch.Tensor]) -> tuple[object, str, list]:
@@ -179,27 +199,17 @@ def test_pooled_read_buffers_come_back_after_a_failed_read(job):
     """Windows read into the shared buffer pool (no destination: a verify) give every
     buffer back, also when a read fails, so later reads never wait for one."""
     from ckptd.format import buffers, reader
-    from ckptd.storage.base import ReadHandle
 
     state, storage, path, entries = _many(job)
     assert reader.verify_entries(storage, path, entries, knobs.get().block_size) == []
     inner = storage.open_read
 
-    class Failing(ReadHandle):
-        def __init__(self, h: ReadHandle):
-            self.h, self.path, self.size = h, h.path, h.size
-
-        def read(self, offset: int, length: int) -> np.ndarray:
-            return self.h.read(offset, length)
-
+    class Failing(_Handle):
         def can_read_into(self, out: np.ndarray, offset: int = 0) -> bool:
             return True
 
         def read_into(self, offset: int, out: np.ndarray) -> None:
             raise StorageError(5, "the device refused the read")
-
-        def close(self) -> None:
-            self.h.close()
 
     storage.open_read = lambda p, cold=False: Failing(inner(p, cold=cold))  # type: ignore[method-assign]
     problems = reader.verify_entries(storage, path, entries, knobs.get().block_size)
@@ -213,7 +223,6 @@ def test_pooled_reads_in_flight_are_the_knobs(job, cap):
     memory it cannot read into straight) keeps in flight: each read here waits until `cap`
     are in, so fewer would time out, and holds its slot a moment, so more would show."""
     from ckptd.format import buffers, reader
-    from ckptd.storage.base import ReadHandle
 
     state = {"w": torch.randn(4 << 20, generator=torch.Generator().manual_seed(7))}  # 16 MiB
     storage, path, entries = _save_one_shard(job, state)
@@ -221,16 +230,7 @@ def test_pooled_reads_in_flight_are_the_knobs(job, cap):
     inflight = [0, 0]  # now, most
     inner = storage.open_read
 
-    class Counting(ReadHandle):
-        def __init__(self, h: ReadHandle):
-            self.h, self.path, self.size = h, h.path, h.size
-
-        def read(self, offset: int, length: int) -> np.ndarray:
-            return self.h.read(offset, length)
-
-        def can_read_into(self, out: np.ndarray, offset: int = 0) -> bool:
-            return self.h.can_read_into(out, offset)
-
+    class Counting(_Handle):
         def read_into(self, offset: int, out: np.ndarray) -> None:
             with lock:
                 inflight[0] += 1
@@ -243,9 +243,6 @@ def test_pooled_reads_in_flight_are_the_knobs(job, cap):
             finally:
                 with lock:
                     inflight[0] -= 1
-
-        def close(self) -> None:
-            self.h.close()
 
     storage.open_read = lambda p, cold=False: Counting(inner(p, cold=cold))  # type: ignore[method-assign]
     with knobs.override(read_window=1 << 20, read_threads=8, pooled_reads=cap):
