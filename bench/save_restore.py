@@ -399,13 +399,12 @@ def hash_pass(b: Bench) -> float:
     """The one pass every save makes over its bytes (ckptd.format.writer.hash_items: each
     block hashed and its stats taken while it is in cache), on the same bytes, with no
     copy and no I/O: where the disk writes faster than this, the save cannot keep pace."""
+    from ckpt._flatten import flatten
     from ckptd import knobs
-    from ckptd.format.writer import WriteItem, hash_items
+    from ckptd.format.writer import hash_items
 
-    items = [
-        WriteItem(k, str(t.dtype).removeprefix("torch."), list(t.shape), [], [], C.u8(t))
-        for k, t in b.flat
-    ]
+    _, leaves = flatten(b.state, rank=0)  # the items a save of the state hashes
+    items = [leaf.write_item(leaf.data) for leaf in leaves]
     with knobs.override(hash_threads=2), Clock(b, cold=False) as clk:
         hash_items(items)
     return clk.s
