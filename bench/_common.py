@@ -6,6 +6,7 @@ GB = 1e9 bytes everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -18,6 +19,7 @@ import statistics
 import subprocess
 import time
 import traceback
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -219,6 +221,23 @@ def remove(path: str | os.PathLike[str]) -> None:
         shutil.rmtree(p)
     elif p.exists() or p.is_symlink():
         p.unlink()
+
+
+@contextlib.contextmanager
+def work_dir(parent: Path, prefix: str = "run") -> Iterator[Path]:
+    """`parent/prefix-PID`, made for one run and removed after it; `parent` too when this
+    run made it and nothing else is left in it (another run's work dir, a user's file)."""
+    made = not parent.exists()
+    parent.mkdir(parents=True, exist_ok=True)
+    work = parent / f"{prefix}-{os.getpid()}"
+    work.mkdir()
+    try:
+        yield work
+    finally:
+        remove(work)
+        if made:
+            with contextlib.suppress(OSError):  # not empty: left as it is
+                parent.rmdir()
 
 
 def drop_caches(under: str | os.PathLike[str]) -> str:

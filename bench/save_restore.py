@@ -1080,9 +1080,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         add_sweep()
     C.select(REGISTRY, args.only)
-    args.dir.mkdir(parents=True, exist_ok=True)
-    work = args.dir / f"run-{os.getpid()}"
-    work.mkdir()
+    with C.work_dir(args.dir) as work:
+        return _run(args, work)
+
+
+def _run(args: argparse.Namespace, work: Path) -> int:
     b_load = C.loadavg_at_start()
     t0 = time.perf_counter()
     state, desc = C.make_state(args.size_gib, args.seed)
@@ -1103,14 +1105,11 @@ def main(argv: list[str] | None = None) -> int:
         for child in work.iterdir():
             C.remove(child)
 
-    try:
-        times, errors = C.run_reps(REGISTRY, b, args.reps, after_rep=clear_outputs)
-        b.notes["loadavg_start"], b.notes["loadavg_end"] = b_load, os.getloadavg()
-        C.report_run(
-            "save_restore", b, REGISTRY, times, errors, args, lambda m: ratios(m, cpu_bound_gbps(b))
-        )
-    finally:
-        C.remove(work)
+    times, errors = C.run_reps(REGISTRY, b, args.reps, after_rep=clear_outputs)
+    b.notes["loadavg_start"], b.notes["loadavg_end"] = b_load, os.getloadavg()
+    C.report_run(
+        "save_restore", b, REGISTRY, times, errors, args, lambda m: ratios(m, cpu_bound_gbps(b))
+    )
     return 1 if errors else 0
 
 
