@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import gc
 import io
+import math
 import os
 import queue
 import statistics
@@ -989,7 +990,7 @@ def ratios(
         # in one pass; where that pass is slower than the overwrite, no save keeps pace.
         (
             "  ceiling: min(that floor, ckpt's hash pass on 2 thr) / that floor",
-            min(pool_write, one_pass) if one_pass == one_pass else nan,
+            nan if math.isnan(one_pass) else min(pool_write, one_pass),
             pool_write,
             None,
         ),
