@@ -211,6 +211,11 @@ SHAPE_CASES = {
     "blake3-extra-block": dict(blake3=["0" * 64, "0" * 64]),
     "blake3-not-hex": dict(blake3=["z" * 64]),
     "blake3-short": dict(blake3=["0" * 63]),
+    "blake3-uppercase": dict(blake3=["A" * 64]),
+    "blake3-whitespace": dict(blake3=["0" * 62 + "  "]),
+    "blake3-not-string": dict(blake3=[["0"] * 64]),
+    "blake3-object": dict(blake3=[{f"{i:02x}": 0 for i in range(64)}]),
+    "blake3-non-ascii": dict(blake3=["0" * 63 + "\u00e9"]),
     "key-empty": dict(key=""),
     "key-nul": dict(key="w\x00"),
     "key-not-string": dict(key=["w"]),
@@ -616,6 +621,35 @@ def test_the_live_line_reads_each_manifest_and_parses_new_bytes_only(saved, job,
     full = ckfmt.list_steps(storage)
     assert [s.line for s in full] == [s.line for s in ckfmt.list_steps(storage, manifests=False)]
     assert full[1].line == ckfmt.LineStep(2, 1, full[1].manifest.created_unix, ())
+
+
+DIGEST_LISTS = {
+    "hex": [hashing.digest(b"a"), hashing.digest(b"b")],
+    "empty": [],
+    "digits-only": ["0" * 64],
+    "uppercase": [hashing.digest(b"a"), "A" * 64],
+    "leading-space": [" " + "a" * 63],
+    "two-newlines": ["a" * 62 + "\n\n"],
+    "short-then-long": ["a" * 63, "a" * 65],
+    "not-hex": ["g" * 64],
+    "fullwidth": ["\uff41" * 64],
+    "bytes": [b"a" * 64],
+    "int": [hashing.digest(b"a"), 7],
+    "none": [None],
+    "list-of-64": [["a"] * 64],
+    "dict-of-64": [{f"{i:02x}": 0 for i in range(64)}],
+}
+
+
+@pytest.mark.parametrize("digests", list(DIGEST_LISTS.values()), ids=list(DIGEST_LISTS))
+def test_all_hex_digests_says_what_is_hex_digest_says_of_each(digests):
+    assert hashing.all_hex_digests(digests) == all(hashing.is_hex_digest(d) for d in digests)
+
+
+def test_chunk_digest_is_the_blake3_of_the_block_digests_bytes():
+    blocks = [hashing.digest(bytes([i]) * 100) for i in range(5)]
+    want = hashing.blake3.blake3(b"".join(bytes.fromhex(d) for d in blocks)).hexdigest()
+    assert hashing.chunk_digest(blocks) == want
 
 
 def test_digest_memo_is_bounded_least_recently_used_first():

@@ -40,11 +40,10 @@ def hash_blocks(data: memoryview, block_size: int) -> list[str]:
 
 
 def chunk_digest(block_digests: list[str]) -> str:
-    """One hash for a whole chunk, from its block hashes (no second pass over the bytes)."""
-    h = blake3.blake3()
-    for d in block_digests:
-        h.update(bytes.fromhex(d))
-    return h.hexdigest()
+    """One hash for a whole chunk, from its block hashes (no second pass over the bytes):
+    the blake3 of their bytes one after another, in one call (a stream of one update per
+    block hashes the same bytes, at a call per block)."""
+    return blake3.blake3(bytes.fromhex("".join(block_digests))).hexdigest()
 
 
 _HEX = re.compile(r"[0-9a-f]{64}")
@@ -53,6 +52,21 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 def is_hex_digest(s: object) -> bool:
     """A lowercase 64-digit hex blake3 digest, exactly as hexdigest() writes it."""
     return isinstance(s, str) and _HEX.fullmatch(s) is not None
+
+
+def all_hex_digests(seq: list[Any]) -> bool:
+    """Whether every item is_hex_digest: each a str of 64 characters, and all of them
+    together lowercase hex (an index holds a digest per block of every entry, thousands of
+    them, parsed at every save's check and every load: two passes in C over them joined,
+    not a match per digest). fromhex refuses any character but hex digits and whitespace,
+    and each whitespace character would leave a byte fewer; lower() changes A-F."""
+    try:
+        if not set(map(len, seq)) <= {HEX_LEN}:
+            return False
+        run = "".join(seq)
+        return len(bytes.fromhex(run)) * 2 == len(run) and run.lower() == run
+    except (TypeError, ValueError):  # not a str (len, join), not hex (fromhex)
+        return False
 
 
 class DigestMemo(Generic[V]):

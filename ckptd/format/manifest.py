@@ -268,7 +268,7 @@ def _loads(data: bytes, what: str) -> Any:
         raise InvalidManifest(f"{what}: not valid JSON ({e})") from None
 
 
-def _field(doc: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+def _field(doc: dict[str, Any], name: str, kind: type | tuple[type, ...], what: object) -> Any:
     if name not in doc:
         raise InvalidManifest(f"{what}: missing field {name!r}")
     v = doc[name]
@@ -291,14 +291,14 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return kind.__name__
 
 
-def _nonneg(doc: dict[str, Any], name: str, what: str, upper: int = 1 << 63) -> int:
+def _nonneg(doc: dict[str, Any], name: str, what: object, upper: int = 1 << 63) -> int:
     v = _field(doc, name, int, what)
     if not 0 <= v < upper:
         raise InvalidManifest(f"{what}: field {name!r}={v} out of range [0, {upper})")
     return int(v)
 
 
-def _int_list(v: Any, name: str, what: str) -> list[int]:
+def _int_list(v: Any, name: str, what: object) -> list[int]:
     # Exact types: a JSON number without a fraction is an int, never a bool (one per
     # dimension of every entry of an index, so the cheapest test that is exact).
     if type(v) is not list or len(v) > MAX_DIMS:
@@ -645,16 +645,32 @@ def packing_gap(
     return None
 
 
+class _EntryWhere:
+    """An entry's place in an index for its errors (`what` key 'k', or `what` entry #i
+    before its key is known), formatted only when an error is raised: an index has an
+    entry per chunk, and each is parsed at every save's check and every load."""
+
+    __slots__ = ("what", "i", "key")
+
+    def __init__(self, what: str, i: int):
+        self.what, self.i, self.key = what, i, None
+
+    def __str__(self) -> str:
+        if self.key is None:
+            return f"{self.what} entry #{self.i}"
+        return f"{self.what} key {self.key!r}"
+
+
 def _parse_entry(
     e: Any, i: int, block: int, align: int, shard: ShardInfo, what: str, step: int, version: int
 ) -> IndexEntry:
-    ew = f"{what} entry #{i}"
+    ew = _EntryWhere(what, i)
     if not isinstance(e, dict):
         raise InvalidManifest(f"{ew}: must be an object")
     key = _field(e, "key", str, ew)
     if not key or len(key) > MAX_KEY_LEN or "\0" in key:
         raise InvalidManifest(f"{ew}: key must be 1..{MAX_KEY_LEN} characters without NUL")
-    ew = f"{what} key {key!r}"
+    ew.key = key
     dtype = _field(e, "dtype", str, ew)
     try:
         size = dtypes.itemsize(dtype)
@@ -698,9 +714,11 @@ def _parse_entry(
     digests = e.get("blake3")
     if not isinstance(digests, list) or len(digests) != hashing.n_blocks(length, block):
         raise InvalidManifest(f"{ew}: expected {hashing.n_blocks(length, block)} block hashes")
-    if not all(hashing.is_hex_digest(d) for d in digests):
+    if not hashing.all_hex_digests(digests):
         raise InvalidManifest(f"{ew}: block hashes must be blake3 hex digests")
-    stats = tensorstats.parse(e.get("stats"), dtype=dtype, numel=numel, what=ew)
+    stats = e.get("stats")
+    if stats is not None:
+        stats = tensorstats.parse(stats, dtype=dtype, numel=numel, what=ew)
     runs = _borrowed_blocks(e, len(digests), align, step, version, ew)
     if runs and lent is not None:
         raise InvalidManifest(
@@ -712,7 +730,7 @@ def _parse_entry(
     )
 
 
-def _check_lender_file(file: str, step: int, what: str) -> None:
+def _check_lender_file(file: str, step: int, what: object) -> None:
     """A lender's file as an entry names it: `../step-N/shards/...`, N not the entry's
     own step, the rest confined like every format path (no `..`, no absolute path)."""
     lent = layout.split_borrowed(file)
@@ -728,7 +746,7 @@ def _check_lender_file(file: str, step: int, what: str) -> None:
 
 
 def _borrowed_blocks(
-    e: dict[str, Any], n_blocks: int, align: int, step: int, version: int, what: str
+    e: dict[str, Any], n_blocks: int, align: int, step: int, version: int, what: object
 ) -> list[BlockRun]:
     """An entry's optional `borrowed_blocks` (format version 4): runs
     [first block, block count, lender's file, offset there], ascending and disjoint, inside

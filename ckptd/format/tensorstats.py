@@ -233,7 +233,7 @@ def _byte_table(dtype: str) -> _Table:
     return _Table(nan, inf, fin * fin, np.abs(fin))
 
 
-def parse(doc: Any, *, dtype: str, numel: int, what: str) -> TensorStats | None:
+def parse(doc: Any, *, dtype: str, numel: int, what: object) -> TensorStats | None:
     """An index entry's optional `stats` field (None when absent), checked: an object of
     exactly nan, inf (integers, together at most the entry's elements: two per byte for
     float4_e2m1fn_x2), sumsq and max_abs (finite numbers >= 0), on a covered dtype only."""
