@@ -229,6 +229,15 @@ def test_bad_index_entries(job, saved, fields):
     expect_rejected(job, (ckpt.InvalidManifest, ckpt.UnsafePath))
 
 
+def test_an_entry_error_names_the_index_file_and_the_entry(job, saved):
+    edit_index(job, 1, _set(length=47))
+    msg = expect_rejected(job, ckpt.InvalidManifest)
+    assert "rank-00000.json" in msg and "key 'w'" in msg and "length 47" in msg, msg
+    edit_index(job, 1, _set(key=7))  # no key to name: its place in the index instead
+    msg = expect_rejected(job, ckpt.InvalidManifest)
+    assert "rank-00000.json" in msg and "entry #0" in msg and "'key'" in msg, msg
+
+
 def test_entry_past_end_of_shard(job, saved):
     size = os.path.getsize(shard_path(job, 1))
     edit_index(job, 1, _set(offset=size))

@@ -291,7 +291,10 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return kind.__name__
 
 
-def _nonneg(doc: dict[str, Any], name: str, what: object, upper: int = 1 << 63) -> int:
+_NONNEG_END = 1 << 63  # _nonneg's default upper bound
+
+
+def _nonneg(doc: dict[str, Any], name: str, what: object, upper: int = _NONNEG_END) -> int:
     v = _field(doc, name, int, what)
     if not 0 <= v < upper:
         raise InvalidManifest(f"{what}: field {name!r}={v} out of range [0, {upper})")
@@ -653,7 +656,8 @@ class _EntryWhere:
     __slots__ = ("what", "i", "key")
 
     def __init__(self, what: str, i: int):
-        self.what, self.i, self.key = what, i, None
+        self.what, self.i = what, i
+        self.key: str | None = None
 
     def __str__(self) -> str:
         if self.key is None:
@@ -664,39 +668,53 @@ class _EntryWhere:
 def _parse_entry(
     e: Any, i: int, block: int, align: int, shard: ShardInfo, what: str, step: int, version: int
 ) -> IndexEntry:
+    # Each field's common case (an exact str, or an int in range) is tested inline, and
+    # anything else goes to the helper that says what is wrong (or accepts a subclass):
+    # the helpers are the rules; the inline tests only skip a call for what they accept.
+    # This runs for every entry of every rank's index at each save's check (thousands of
+    # entries a rank at scale) and each load.
     ew = _EntryWhere(what, i)
     if not isinstance(e, dict):
         raise InvalidManifest(f"{ew}: must be an object")
-    key = _field(e, "key", str, ew)
+    get = e.get
+    key = get("key")
+    if type(key) is not str:
+        key = _field(e, "key", str, ew)
     if not key or len(key) > MAX_KEY_LEN or "\0" in key:
         raise InvalidManifest(f"{ew}: key must be 1..{MAX_KEY_LEN} characters without NUL")
     ew.key = key
-    dtype = _field(e, "dtype", str, ew)
+    dtype = get("dtype")
+    if type(dtype) is not str:
+        dtype = _field(e, "dtype", str, ew)
     try:
         size = dtypes.itemsize(dtype)
     except KeyError as err:
         raise InvalidManifest(f"{ew}: {err.args[0]}") from None
-    shape = _int_list(e.get("shape"), "shape", ew)
-    offs = _int_list(e.get("chunk_offsets"), "chunk_offsets", ew)
-    sizes = _int_list(e.get("chunk_sizes"), "chunk_sizes", ew)
+    shape = _int_list(get("shape"), "shape", ew)
+    offs = _int_list(get("chunk_offsets"), "chunk_offsets", ew)
+    sizes = _int_list(get("chunk_sizes"), "chunk_sizes", ew)
     if not len(shape) == len(offs) == len(sizes):
         raise InvalidManifest(f"{ew}: shape, chunk_offsets and chunk_sizes differ in rank")
-    for d, (n, o, s) in enumerate(zip(shape, offs, sizes, strict=True)):
+    numel = 1
+    for d in range(len(sizes)):
+        n, o, s = shape[d], offs[d], sizes[d]
         if o + s > n:
             raise InvalidManifest(f"{ew}: chunk [{o}, {o + s}) exceeds dimension {d} of size {n}")
-    numel = 1
-    for s in sizes:
         numel *= s
         if numel > MAX_ELEMENTS:
             raise InvalidManifest(f"{ew}: chunk has more than 2**62 elements")
-    if math.prod(shape) > MAX_ELEMENTS:
+    if len(shape) > 1 and math.prod(shape) > MAX_ELEMENTS:
         raise InvalidManifest(f"{ew}: global shape has more than 2**62 elements")
-    length = _nonneg(e, "length", ew)
+    length = get("length")
+    if type(length) is not int or not 0 <= length < _NONNEG_END:
+        length = _nonneg(e, "length", ew)
     if length != numel * size:
         raise InvalidManifest(
             f"{ew}: length {length} != {numel} elements x {size} bytes of {dtype}"
         )
-    offset = _nonneg(e, "offset", ew)
+    offset = get("offset")
+    if type(offset) is not int or not 0 <= offset < _NONNEG_END:
+        offset = _nonneg(e, "offset", ew)
     if version >= PHASED_VERSION:
         align = ENTRY_ALIGN
     if offset % align:

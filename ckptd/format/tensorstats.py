@@ -247,24 +247,26 @@ def parse(doc: Any, *, dtype: str, numel: int, what: object) -> TensorStats | No
             f"{what}: field 'stats' must be an object of exactly {', '.join(FIELDS)}, "
             f"got {got}; the index was altered or written by another tool"
         )
-    counts = []
-    for name in ("nan", "inf"):
-        v = doc[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise InvalidManifest(f"{what}: stats.{name} must be an integer >= 0, got {v!r}")
-        counts.append(v)
+    nan, inf = _count(doc, "nan", what), _count(doc, "inf", what)
     elements = numel * (2 if dtype == "float4_e2m1fn_x2" else 1)
-    if sum(counts) > elements:
+    if nan + inf > elements:
         raise InvalidManifest(
-            f"{what}: stats count {counts[0]} NaN and {counts[1]} Inf in a chunk of "
-            f"{elements} elements"
+            f"{what}: stats count {nan} NaN and {inf} Inf in a chunk of {elements} elements"
         )
-    nums = []
-    for name in ("sumsq", "max_abs"):
-        v = doc[name]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= _MAX:
-            raise InvalidManifest(
-                f"{what}: stats.{name} must be a finite number >= 0, got {str(v)[:40]}"
-            )
-        nums.append(float(v))
-    return TensorStats(counts[0], counts[1], nums[0], nums[1])
+    return TensorStats(nan, inf, _magnitude(doc, "sumsq", what), _magnitude(doc, "max_abs", what))
+
+
+def _count(doc: dict[str, Any], name: str, what: object) -> int:
+    v = doc[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise InvalidManifest(f"{what}: stats.{name} must be an integer >= 0, got {v!r}")
+    return v
+
+
+def _magnitude(doc: dict[str, Any], name: str, what: object) -> float:
+    v = doc[name]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= _MAX:
+        raise InvalidManifest(
+            f"{what}: stats.{name} must be a finite number >= 0, got {str(v)[:40]}"
+        )
+    return float(v)
