@@ -278,6 +278,21 @@ def test_a_malformed_stats_field_names_the_file_and_key(
         assert "step-000000000001/shards/rank-00000.json" in msg
 
 
+@pytest.mark.parametrize("field", ["sumsq", "max_abs"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_non_finite_stats_are_never_written_into_an_index(field: str, value: float) -> None:
+    # The index's writer would write them as null: TensorStats refuses them first.
+    stats = tensorstats.TensorStats(0, 0, **{field: value})
+    with pytest.raises(ValueError, match="not finite"):
+        stats.to_json()
+    assert tensorstats.TensorStats(1, 2, 3.0, 4.0).to_json() == {
+        "nan": 1,
+        "inf": 2,
+        "sumsq": 3.0,
+        "max_abs": 4.0,
+    }
+
+
 def test_stats_on_an_integer_entry_are_refused(tmp_path: Path, tally: Any) -> None:
     job = str(tmp_path / "job")
     ckpt.save({"ids": torch.arange(8)}, job, step=1)

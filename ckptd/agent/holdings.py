@@ -32,7 +32,7 @@ from ckptd.format import hashing, layout
 from ckptd.format.manifest import (
     Manifest,
     ShardInfo,
-    load_json,
+    load_index_json,
     parse_index,
     parse_manifest,
 )
@@ -307,7 +307,7 @@ class Holdings:
             raise HashMismatch(
                 f"{where}: index {shard.index} does not hash to the digest the rank reported"
             )
-        doc = load_json(data, shard.index)
+        doc = load_index_json(data, shard.index)
         stub = Manifest(
             job=str(doc.get("job", "")) if isinstance(doc, dict) else "",
             step=step,

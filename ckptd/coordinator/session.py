@@ -21,7 +21,7 @@ from ckptd.coordinator.types import ABORTED, OPEN, ShardReport, StatusResult
 from ckptd.errors import CkptError, InvalidRequest, SaveAborted
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import hashing, layout, values
-from ckptd.format.manifest import Manifest, ShardInfo, load_json, parse_index
+from ckptd.format.manifest import Manifest, ShardInfo, load_index_json, parse_index
 from ckptd.storage import Storage
 from ckptd.storage.base import OpenDirs
 
@@ -199,7 +199,7 @@ class Session:
             )
         assert self.assignment is not None
         where = f"{st.url}/{sdir}/{report.index_path}"
-        doc = load_json(data, where)  # parsed once: the block size first, then the index
+        doc = load_index_json(data, where)  # parsed once: the block size first, then the index
         block_size = index_block_size(doc)
         self.block_sizes[rank] = block_size
         draft = self.drafts.get(block_size)
@@ -326,7 +326,7 @@ def reported_block_size(st: Storage, step: int, reports: Mapping[int, ShardRepor
     for rep in reports.values():
         where = f"{layout.step_dir(step)}/{rep.index_path}"
         data = st.read_bytes(where, limit=rep.index_size)
-        sizes.append(index_block_size(load_json(data, f"{st.url}/{where}")))
+        sizes.append(index_block_size(load_index_json(data, f"{st.url}/{where}")))
     return one_block_size(step, sizes)
 
 

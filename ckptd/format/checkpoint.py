@@ -46,7 +46,7 @@ from ckptd.format.manifest import (
     ShardIndex,
     ShardInfo,
     entry_pieces,
-    load_json,
+    load_index_json,
     parse_index,
     parse_manifest,
 )
@@ -626,7 +626,7 @@ def index_version(storage: Storage, m: Manifest, shard: ShardInfo) -> int:
     got = _INDEX_HEAD.match(head)
     if got is not None:
         return int(got.group(1))
-    doc = load_json(storage.read_bytes(path, limit=shard.index_size), path)
+    doc = load_index_json(storage.read_bytes(path, limit=shard.index_size), path)
     version = doc.get("version") if isinstance(doc, dict) else None
     return version if isinstance(version, int) and not isinstance(version, bool) else 0
 

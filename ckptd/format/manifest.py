@@ -18,6 +18,8 @@ import math
 import time
 from typing import Any
 
+import orjson
+
 from ckptd.errors import CkptError, InvalidManifest
 from ckptd.format import dtypes, hashing, layout, tensorstats, values
 from ckptd.storage.paths import check_relative
@@ -171,7 +173,10 @@ class ShardIndex:
             "hash": hashing.HASH_NAME,
             "entries": [e.to_json() for e in self.entries],
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        # orjson: a tenth of json's time for an index, on every save's path to its commit.
+        # It would write a NaN or an Infinity as null; the index's only floats are its
+        # entries' stats, which TensorStats.to_json refuses unless finite.
+        return orjson.dumps(doc)
 
 
 @dataclasses.dataclass
@@ -259,7 +264,20 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def _loads(data: bytes, what: str) -> Any:
+def _loads(data: bytes, what: str, *, index: bool = False) -> Any:
+    """Strict JSON (no NaN or Infinity), errors as InvalidManifest naming `what`.
+
+    index: the bytes are a shard index, where every integer the parser accepts fits in
+    64 bits. orjson (three times json's pace on an index, which the coordinator parses
+    for every rank at every save) reads it then; it reads a larger integer as a float,
+    which the index's checks refuse as they refuse the integer. What orjson refuses
+    (NaN, a number beyond a float, a byte-order mark, nesting past 1024) goes to json,
+    which accepts or refuses it, and says why, as it always has."""
+    if index:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
     try:
         return json.loads(data, parse_constant=_reject_constant)
     except RecursionError:
@@ -452,9 +470,10 @@ def _borrows(s: dict[str, Any], step: int, version: int, what: str) -> list[int]
     return out
 
 
-def load_json(data: bytes, what: str) -> Any:
-    """Strict JSON (no NaN/Infinity), errors as InvalidManifest naming `what`."""
-    return _loads(data, what)
+def load_index_json(data: bytes, what: str) -> Any:
+    """A shard index's JSON (strict: no NaN/Infinity), errors as InvalidManifest naming
+    `what`, for parse_index(doc=...)."""
+    return _loads(data, what, index=True)
 
 
 def parse_index(
@@ -468,12 +487,12 @@ def parse_index(
 ) -> ShardIndex:
     """Parse and cross-check one shard index against its manifest entry.
 
-    doc: the index already decoded with load_json (a caller that needed a field first),
+    doc: the index already decoded with load_index_json (a caller that needed a field first),
     so the bytes are not parsed twice.
     """
     if doc is None:
         assert data is not None
-        doc = _loads(data, what)
+        doc = _loads(data, what, index=True)
     doc = _check_header(doc, INDEX_FORMAT_NAME, what)
     if doc["version"] > manifest.index_version > 0:  # a parsed manifest's: bounds its indexes
         raise InvalidManifest(

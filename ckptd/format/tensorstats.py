@@ -82,6 +82,10 @@ class TensorStats:
         return math.sqrt(self.sumsq)
 
     def to_json(self) -> dict[str, Any]:
+        # Finite by construction (combine saturates); an index holds no NaN or Infinity,
+        # which its writer (orjson) would turn into null.
+        if not (math.isfinite(self.sumsq) and math.isfinite(self.max_abs)):
+            raise ValueError(f"stats {self} are not finite: a bug in ckptd.format.tensorstats")
         return {"nan": self.nan, "inf": self.inf, "sumsq": self.sumsq, "max_abs": self.max_abs}
 
 
