@@ -3,7 +3,7 @@
 # gpu-marked tests (pinned staging, CUDA tensors through save/load/resume, bench/gpu.py
 # --quick), then bench/gpu.py at full size. ckptd runs from this source tree, not an
 # install, so a machine with no package registry needs only ckptd's own dependencies
-# (blake3, grpcio, protobuf, ...) importable beside its torch.
+# (blake3, grpcio, protobuf, orjson, ...) importable beside its torch.
 #
 #   bench/gpu_check.sh [LOGDIR] [bench/gpu.py args...]
 #
@@ -23,7 +23,7 @@ export PYTHONPATH="$PWD:$PWD/clients/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUN
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
 df -h . | tail -1
 $PY - <<'EOF' || exit 3
-import blake3, grpc, google.protobuf, torch
+import blake3, grpc, google.protobuf, orjson, torch
 import ckpt, ckptd.server.app  # ckptd from this tree, with every dependency it imports
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, available: "
       f"{torch.cuda.is_available()}), grpcio {grpc.__version__}, "
