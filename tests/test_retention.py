@@ -9,6 +9,7 @@ remove exactly the same steps. Then the rule itself, case by case.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,30 @@ def test_coordinator_and_apply_retention_remove_the_same_steps(tmp_path: Path) -
     assert via_coordinator == LEFT, (
         f"the coordinator left steps {via_coordinator}, ckpt.apply_retention {step_dirs(plain)}"
     )
+
+
+def test_retention_knows_what_a_step_it_committed_borrows_without_reading_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every commit's retention learns what the kept steps borrow; the step just committed
+    # is known from its commit (the coordinator wrote its manifest), an older one is read
+    # once. An embedded coordinator (one per process), so the reads are counted here.
+    read: list[int] = []
+    real = ckfmt.read_manifest
+
+    def counted(storage, step, *a, **kw):  # type: ignore[no-untyped-def]
+        if sys._getframe(1).f_code is retention.with_borrows.__code__:
+            read.append(step)
+        return real(storage, step, *a, **kw)
+
+    monkeypatch.setattr(ckfmt, "read_manifest", counted)
+    job = str(tmp_path / "job")
+    ckpt.save(state(1), job, step=1)  # committed before this Checkpointer's coordinator
+    with ckpt.Checkpointer(job, keep_last=2) as cp:
+        for step in (2, 3, 4, 5):
+            finished(cp.save(state(step), step))
+    assert read == [1], f"retention read the manifests of steps {read}"
+    assert step_dirs(job) == [4, 5]
 
 
 # -- the rule ----------------------------------------------------------------------------

@@ -305,17 +305,20 @@ class Catalog:
         manifest_blake3: str,
         nbytes: int,
         reason: str = "",
-    ) -> None:
-        """The manifest is written: COMMITTED; the draft and the reports are done with."""
+    ) -> float:
+        """The manifest is written: COMMITTED; the draft and the reports are done with.
+        Returns the commit time recorded (the record's committed_unix)."""
+        at = now()
         await self._write(
             Sql(
                 "UPDATE saves SET status=?, reason=?, committed_unix=?, manifest_blake3=?, "
                 "bytes=?, draft=NULL WHERE job=? AND step=? AND generation=?",
-                (COMMITTED, reason, now(), manifest_blake3, nbytes, job, step, generation),
+                (COMMITTED, reason, at, manifest_blake3, nbytes, job, step, generation),
             ),
             *_forget_reports(job, step, generation),
             what=_what(job, step),
         )
+        return at
 
     async def mark_aborted(self, job: str, step: int, generation: int, reason: str) -> None:
         await self._write(

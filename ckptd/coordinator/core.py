@@ -517,8 +517,11 @@ class Coordinator(Recovery, Queries, Reports, Nodes, MemoryCommits):
         digest = hashing.digest(data)
         s.manifest_blake3 = digest
         total = sum(x.size for x in m.shards)
-        await self.catalog.mark_committed(s.job, s.step, s.generation, digest, total)
+        at = await self.catalog.mark_committed(s.job, s.step, s.generation, digest, total)
         crash_point("coordinator.after_catalog_commit")
+        # What the step borrows, in retention's memo: its retention need not read back the
+        # manifest just written (at scale, a shard a rank).
+        retention.remember_borrows(self._borrowed_memo(s.job), s.step, at, m.borrows)
         s.status = COMMITTED
         if not s.done.done():
             s.done.set_result(StatusResult(COMMITTED, "", digest))
@@ -663,6 +666,11 @@ class Coordinator(Recovery, Queries, Reports, Nodes, MemoryCommits):
                     await self._abort(s, reason)
             await self._memory_overdue(t)
 
+    def _borrowed_memo(self, job: str) -> dict[tuple[int, float], tuple[int, ...]]:
+        """The steps of `job` whose borrows are known, by (step, committed_unix): a
+        committed manifest never changes (retention.with_borrows)."""
+        return self._borrows.setdefault(job, {})
+
     async def _retention(self, job: str, keep_last: int, committed: int) -> None:
         """Carry out the job's retention plan (ckptd.coordinator.retention, the one rule).
 
@@ -678,7 +686,7 @@ class Coordinator(Recovery, Queries, Reports, Nodes, MemoryCommits):
         in_flight = {step for j, step in self.sessions if j == job}
         steps = retention.from_catalog(self.catalog.saves(job), dirs, in_flight)
         # What the steps borrow (incremental saves): from their manifests, each read once.
-        known = self._borrows.setdefault(job, {})
+        known = self._borrowed_memo(job)
         steps = await asyncio.to_thread(retention.with_borrows, st, steps, known)
         plan = retention.plan(steps, keep_last, keep=(committed,))
         await retention.carry_out(

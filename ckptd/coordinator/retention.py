@@ -184,12 +184,23 @@ def with_borrows(
                 except (CkptError, OSError):
                     out.append(dataclasses.replace(s, borrows=None))  # unknown: holds more
                     continue
-                if len(known) > 4096:
-                    known.clear()
-                known[(s.step, s.saved_unix)] = got
+                remember_borrows(known, s.step, s.saved_unix, got)
             s = dataclasses.replace(s, borrows=got)
         out.append(s)
     return out
+
+
+def remember_borrows(
+    known: dict[tuple[int, float], tuple[int, ...]],
+    step: int,
+    saved_unix: float,
+    borrows: Iterable[int],
+) -> None:
+    """Record in `known` (with_borrows' memo) what a committed step borrows, keyed as
+    with_borrows looks it up; the memo is emptied past 4096 steps, to be read again."""
+    if len(known) > 4096:
+        known.clear()
+    known[(step, saved_unix)] = tuple(borrows)
 
 
 def from_catalog(
