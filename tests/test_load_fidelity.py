@@ -31,6 +31,55 @@ def tensor_bodies(doc: dict[str, Any]) -> dict[str, Any]:
     return {k: v["tensor"] for k, v in doc["state"]["dict"] if "tensor" in v}
 
 
+# ----------------------------------------------------------------------------- bytes
+def odd_tensors() -> dict[str, torch.Tensor]:
+    """Tensors whose bytes a flatten takes in each of its ways: every dtype class, 0-d,
+    empty, size-1 dimensions with odd strides (torch still calls them contiguous), slices
+    at an offset, transposes, conj/neg views, a Parameter."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 8, generator=g)
+    z = torch.randn(4, 3, dtype=torch.complex64, generator=g)
+    col = torch.randn(5, 1, generator=g)
+    return {
+        "f32": base,
+        "bf16": base.to(torch.bfloat16),
+        "f16": base.to(torch.float16),
+        "f64": base.double(),
+        "i64": torch.arange(12).reshape(3, 4),
+        "u8": torch.arange(7, dtype=torch.uint8),
+        "bool": base > 0,
+        "c64": z,
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "one": torch.ones(1),
+        "row-of-a-column": col.t(),  # shape (1, 5), stride (1, 1)
+        "size-1-odd-stride": base[2:3, :].as_strided((1, 8), (100, 1), 16),
+        "column": col,
+        "slice-at-offset": base[2:4],
+        "transposed": base.t(),
+        "strided": base[:, ::2],
+        "conj": z.conj(),
+        "neg": base._neg_view(),
+        "parameter": torch.nn.Parameter(base.clone()),
+    }
+
+
+def test_the_bytes_a_flatten_takes_are_each_tensors_own_and_a_view_where_dense() -> None:
+    from ckpt._flatten import flatten, tensor_bytes
+
+    state = odd_tensors()
+    _, leaves = flatten(state)
+    by_key = {leaf.key: leaf for leaf in leaves}
+    for name, t in state.items():
+        leaf = by_key[name]
+        want = tensor_bytes(t)
+        assert leaf.data.dtype == want.dtype and leaf.data.shape == want.shape, name
+        assert leaf.data.tobytes() == want.tobytes(), name
+        dense = t.is_contiguous() and not t.is_conj() and not t.is_neg() and t.numel() > 0
+        if dense:  # the tensor's own memory, not a copy
+            assert leaf.data.ctypes.data == t.data_ptr(), name
+
+
 # ----------------------------------------------------------------------------- views
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -145,9 +145,9 @@ _NO_BYTES = np.zeros(0, dtype=np.uint8)
 _VIEW_ALIGN = 16
 
 
-@dataclasses.dataclass(frozen=True)
-class _Placed:
-    """Where one leaf's tensor sits in the storage it shares (bytes and elements)."""
+class _Placed(NamedTuple):
+    """Where one leaf's tensor sits in the storage it shares (bytes and elements). A
+    tuple: one is made for each tensor of a state, in the training thread's stall."""
 
     key: str
     first: int  # byte of its first element
@@ -267,7 +267,8 @@ class _Flattener:
         # Each attribute of a tensor is a call into torch (t.device builds a new object):
         # read once, since a state has thousands of tensors and this runs in the stall.
         device, dtype = t.device, t.dtype
-        if t.is_quantized or t.is_nested or device.type == "meta":
+        kind = device.type
+        if t.is_quantized or t.is_nested or kind == "meta":
             raise UnsupportedValue(
                 f"state key {where!r}: quantized, nested and meta tensors are not supported; "
                 "dequantize / materialize it first"
@@ -302,8 +303,8 @@ class _Flattener:
             ):
                 storage = sig[:2]
         # Only CUDA tensors are left for the stager (its side streams are CUDA streams).
-        on_device = self.keep_device and device.type == "cuda"
-        if device.type != "cpu" and not on_device:
+        on_device = self.keep_device and kind == "cuda"
+        if kind != "cpu" and not on_device:
             t = t.detach().to("cpu")
         key = self.unique_key(path)
         if sig is not None:
@@ -327,7 +328,13 @@ class _Flattener:
             leaf.nbytes = src.numel() * src.element_size()
             self.leaves.append(leaf)
         else:
-            self.leaves.append(Leaf(key, "tensor", name, list(shape), tensor_bytes(t), t))
+            if kind == "cpu" and contiguous and not (conj or neg) and numel and stride[-1:] == (1,):
+                # What tensor_bytes returns, with what is known here: the last dimension
+                # dense, so the elements viewed as bytes need no flattening first.
+                data = t.detach().view(torch.uint8).numpy().reshape(-1)
+            else:
+                data = tensor_bytes(t)
+            self.leaves.append(Leaf(key, "tensor", name, list(shape), data, t))
         return key
 
     def dtensor(self, t: Any, path: list[str], where: str) -> str:
