@@ -753,9 +753,7 @@ def _parse_entry(
         raise InvalidManifest(f"{ew}: expected {hashing.n_blocks(length, block)} block hashes")
     if not hashing.all_hex_digests(digests):
         raise InvalidManifest(f"{ew}: block hashes must be blake3 hex digests")
-    stats = e.get("stats")
-    if stats is not None:
-        stats = tensorstats.parse(stats, dtype=dtype, numel=numel, what=ew)
+    stats = tensorstats.parse(e.get("stats"), dtype=dtype, numel=numel, what=ew)
     runs = _borrowed_blocks(e, len(digests), align, step, version, ew)
     if runs and lent is not None:
         raise InvalidManifest(

@@ -99,6 +99,10 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
         t = t.resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
+    if t.dim() and t.stride(-1) == 1 and t.numel():
+        # The last dimension dense: the elements viewed as bytes need no flattening first
+        # (a flat reshape cost 1.4 us a tensor, in the flatten of every save's stall).
+        return t.view(torch.uint8).numpy().reshape(-1)
     return flat_view(t).view(torch.uint8).numpy()
 
 
@@ -328,13 +332,7 @@ class _Flattener:
             leaf.nbytes = src.numel() * src.element_size()
             self.leaves.append(leaf)
         else:
-            if kind == "cpu" and contiguous and not (conj or neg) and numel and stride[-1:] == (1,):
-                # What tensor_bytes returns, with what is known here: the last dimension
-                # dense, so the elements viewed as bytes need no flattening first.
-                data = t.detach().view(torch.uint8).numpy().reshape(-1)
-            else:
-                data = tensor_bytes(t)
-            self.leaves.append(Leaf(key, "tensor", name, list(shape), data, t))
+            self.leaves.append(Leaf(key, "tensor", name, list(shape), tensor_bytes(t), t))
         return key
 
     def dtensor(self, t: Any, path: list[str], where: str) -> str:
