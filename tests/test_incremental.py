@@ -776,6 +776,8 @@ def test_an_older_reader_refuses_an_index_with_block_references(
     borrow; a step that borrows only whole entries stays version 3 for it."""
     job, _ = emb_job
     monkeypatch.setattr(mf, "READ_VERSIONS", (1, 2, 3))  # ckptd before version 4
+    # In another process: nothing this one committed or parsed is remembered there.
+    monkeypatch.setattr(ckfmt, "_LINES", hashing.DigestMemo(16))
     with tally.bad_input("incremental: a version-4 step read by an older ckptd"):
         with pytest.raises(InvalidManifest, match="version 4 is not supported.*upgrade ckptd"):
             ckfmt.open_checkpoint(open_storage(str(job)), 3)

@@ -632,6 +632,23 @@ def test_the_live_line_reads_each_manifest_and_parses_new_bytes_only(saved, job,
     assert full[1].line == ckfmt.LineStep(2, 1, full[1].manifest.created_unix, ())
 
 
+def test_a_commit_tells_the_live_line_its_step_without_a_parse(job, monkeypatch):
+    """The manifest a commit writes is not parsed back by this process (the next save's
+    look for the head, retention): its line is remembered by its bytes' digest. Another
+    process parses the same bytes to the same line."""
+    for step in (1, 2):
+        ckpt.save(make_state(), job, step=step)
+    storage = open_storage(job)
+    parsed = []
+    parse = ckfmt.parse_manifest
+    monkeypatch.setattr(ckfmt, "parse_manifest", lambda *a, **k: parsed.append(1) or parse(*a, **k))
+    lines = [ckfmt.read_lineage(storage, step) for step in (1, 2)]
+    assert ckfmt.latest_step(storage) == 2 and not parsed
+    monkeypatch.setattr(ckfmt, "_LINES", hashing.DigestMemo(16))  # as in a fresh process
+    assert [ckfmt.read_lineage(storage, step) for step in (1, 2)] == lines
+    assert len(parsed) == 2 and lines[1] == ckfmt.LineStep(2, 1, lines[1].saved_unix, ())
+
+
 DIGEST_LISTS = {
     "hex": [hashing.digest(b"a"), hashing.digest(b"b")],
     "empty": [],

@@ -84,14 +84,14 @@ def test_retention_knows_what_a_step_it_committed_borrows_without_reading_it_bac
     # is known from its commit (the coordinator wrote its manifest), an older one is read
     # once. An embedded coordinator (one per process), so the reads are counted here.
     read: list[int] = []
-    real = ckfmt.read_manifest
+    real = ckfmt.read_lineage
 
     def counted(storage, step, *a, **kw):  # type: ignore[no-untyped-def]
         if sys._getframe(1).f_code is retention.with_borrows.__code__:
             read.append(step)
         return real(storage, step, *a, **kw)
 
-    monkeypatch.setattr(ckfmt, "read_manifest", counted)
+    monkeypatch.setattr(ckfmt, "read_lineage", counted)
     job = str(tmp_path / "job")
     ckpt.save(state(1), job, step=1)  # committed before this Checkpointer's coordinator
     with ckpt.Checkpointer(job, keep_last=2) as cp:

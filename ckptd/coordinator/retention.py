@@ -171,17 +171,20 @@ def with_borrows(
     storage: Storage, steps: Iterable[StepState], known: dict[tuple[int, float], tuple[int, ...]]
 ) -> list[StepState]:
     """`steps` with what each committed or quarantined one borrows, from its manifest
-    (blocking). `known`: the caller's memory of them by (step, saved_unix); a committed
-    manifest never changes, so each is read once. One that cannot be read borrows
-    nothing known (it is not retired either: from_catalog's statuses)."""
+    (blocking; ckfmt.read_lineage, which parses a manifest's bytes once a process).
+    `known`: the caller's memory of them by (step, saved_unix); a committed manifest never
+    changes, so each is read once. One that cannot be read borrows nothing known (it is
+    not retired either: from_catalog's statuses)."""
     out = []
     for s in steps:
         if s.status in (COMMITTED, QUARANTINED):
             got = known.get((s.step, s.saved_unix))
             if got is None:
                 try:
-                    got = tuple(ckfmt.read_manifest(storage, s.step).borrows)
+                    got = ckfmt.read_lineage(storage, s.step).borrows
                 except (CkptError, OSError):
+                    got = None
+                if got is None:
                     out.append(dataclasses.replace(s, borrows=None))  # unknown: holds more
                     continue
                 remember_borrows(known, s.step, s.saved_unix, got)

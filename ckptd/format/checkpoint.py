@@ -608,6 +608,9 @@ def commit(storage: Storage, m: Manifest) -> bytes:
         data,
         before_publish=lambda: crash_point("coordinator.mid_manifest"),
     )
+    # The step's place on the line, known without parsing these bytes back: the next
+    # save's look for the head, and retention, read them (read_lineage).
+    _LINES.put(hashing.digest(data), LineStep.of(m))
     return data
 
 
