@@ -114,6 +114,16 @@ def zeroed_like(state: Any, memo: dict[int, Any] | None = None) -> Any:
 # ----------------------------------------------------------------------------- surgery
 
 
+def as_older_ckptd(monkeypatch: pytest.MonkeyPatch, versions: tuple[int, ...]) -> None:
+    """Read from here on as a ckptd that reads only format `versions`, in a process of its
+    own: nothing this process committed or parsed is remembered (read_lineage's memo)."""
+    from ckptd.format import checkpoint as ckfmt
+    from ckptd.format import manifest as mf
+
+    monkeypatch.setattr(mf, "READ_VERSIONS", versions)
+    monkeypatch.setattr(ckfmt, "_LINES", hashing.DigestMemo(16))
+
+
 def step_path(job: str | os.PathLike[str], step: int) -> str:
     return os.path.join(os.fspath(job), layout.step_dir(step))
 

@@ -15,7 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ckpt_testutil import edit_index, edit_manifest, flip_bit, read_json, tensor_raw
+from ckpt_testutil import (
+    as_older_ckptd,
+    edit_index,
+    edit_manifest,
+    flip_bit,
+    read_json,
+    tensor_raw,
+)
 from coordinator_fixtures import ckptctl, ckptctl_json, spawn_ranks, wait_for
 from ranks import shared_read_worker
 
@@ -123,7 +130,7 @@ def test_an_older_reader_refuses_a_step_that_borrows(
     with ckpt.Checkpointer(job, incremental=True) as c:
         c.save(state(1), 1, blocking=True)
         c.save(state(2), 2, blocking=True)
-    monkeypatch.setattr(mf, "READ_VERSIONS", (1, 2))  # what ckptd before version 3 reads
+    as_older_ckptd(monkeypatch, (1, 2))  # what ckptd before version 3 reads
     with tally.bad_input("incremental: a version-3 step read by an older ckptd"):
         with pytest.raises(InvalidManifest, match="version 3 is not supported.*upgrade ckptd"):
             ckfmt.open_checkpoint(open_storage(str(job)), 2)
@@ -775,9 +782,7 @@ def test_an_older_reader_refuses_an_index_with_block_references(
     skips it without judging it corrupt (no quarantine) and retention keeps what it may
     borrow; a step that borrows only whole entries stays version 3 for it."""
     job, _ = emb_job
-    monkeypatch.setattr(mf, "READ_VERSIONS", (1, 2, 3))  # ckptd before version 4
-    # In another process: nothing this one committed or parsed is remembered there.
-    monkeypatch.setattr(ckfmt, "_LINES", hashing.DigestMemo(16))
+    as_older_ckptd(monkeypatch, (1, 2, 3))  # ckptd before version 4
     with tally.bad_input("incremental: a version-4 step read by an older ckptd"):
         with pytest.raises(InvalidManifest, match="version 4 is not supported.*upgrade ckptd"):
             ckfmt.open_checkpoint(open_storage(str(job)), 3)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ckpt_testutil import edit_index, read_json
+from ckpt_testutil import as_older_ckptd, edit_index, read_json
 from coordinator_fixtures import TOKEN, ServerThread, finished
 
 import ckpt
@@ -183,7 +183,7 @@ def test_an_older_reader_lists_the_step_as_unreadable(job, monkeypatch, tally):
     with knobs.override(phased_layout=False):
         ckpt.save(s, job, step=1)
     ckpt.save(s, job, step=2)
-    monkeypatch.setattr(mf, "READ_VERSIONS", (1, 2, 3, 4))  # ckptd before version 5
+    as_older_ckptd(monkeypatch, (1, 2, 3, 4))  # ckptd before version 5
     with tally.bad_input("phased layout: a version-5 step read by an older ckptd"):
         with pytest.raises(InvalidManifest, match="version 5 is not supported.*upgrade ckptd"):
             ckfmt.open_checkpoint(open_storage(job), 2)
