@@ -31,7 +31,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -125,7 +124,7 @@ Window = tuple[int, int, list[Piece]]  # (file offset, length, the pieces in it)
 
 
 def _span_windows(
-    spans: Sequence[tuple[int, int, np.ndarray]], window: int, align: int, ramp: bool = False
+    spans: Sequence[tuple[int, int, np.ndarray]], window: int, align: int
 ) -> list[Window]:
     """Windows over the spans' file ranges, each with the spans' bytes that fall in it.
 
@@ -135,8 +134,7 @@ def _span_windows(
     disjoint; file ranges between spans (none in a packed file) are not written. Each
     window is cut at `window` steps from the start of its contiguous range, so a window
     that lies inside one span's bytes is a single piece (the handle's zero-copy O_DIRECT
-    path). ramp: the first range begins with windows of an eighth, a quarter and a half
-    of `window` (_ramp_cuts).
+    path).
     """
     ranges: list[list[int]] = []
     for off, end, _ in spans:
@@ -149,9 +147,9 @@ def _span_windows(
             ranges.append([start, end])
     out: list[Window] = []
     j, n = 0, len(spans)
-    for r, (lo, hi) in enumerate(ranges):
-        cuts = _ramp_cuts(lo, hi, window, align) if ramp and r == 0 else range(lo, hi, window)
-        for start, stop in itertools.pairwise([*cuts, hi]):
+    for lo, hi in ranges:
+        for start in range(lo, hi, window):
+            stop = min(hi, start + window)
             pieces: list[Piece] = []
             while j < n and spans[j][0] + spans[j][2].nbytes <= start:
                 j += 1
@@ -166,30 +164,8 @@ def _span_windows(
     return out
 
 
-def _ramp_cuts(lo: int, hi: int, window: int, align: int) -> list[int]:
-    """The starts of windows over [lo, hi) that grow to `window`: window/8, /4, /2, then
-    whole ones; one window where one holds it all (which is then not staged). A staged
-    write (_Staged) queues a window's write only once a hash thread has filled it, so the
-    disk waits for the first fill: 15 ms for 32 MiB, 2 for 4 MiB (bench/README.md, issue
-    16 twenty-second pass)."""
-    if hi - lo <= window:
-        return [lo]
-    cuts: list[int] = []
-    pos = lo
-    for size in (window // 8, window // 4, window // 2):
-        if pos >= hi:
-            return cuts
-        cuts.append(pos)
-        pos += max(align, size - size % align)
-    return cuts + list(range(pos, hi, window))
-
-
 def _item_windows(
-    items: Sequence[WriteItem],
-    offsets: Sequence[int],
-    align: int,
-    window: int,
-    ramp: bool = False,
+    items: Sequence[WriteItem], offsets: Sequence[int], align: int, window: int
 ) -> list[Window]:
     """Windows writing the items from their own memory at their file offsets."""
     spans = sorted(
@@ -199,7 +175,7 @@ def _item_windows(
         ),
         key=lambda x: (x[0], x[1]),
     )
-    return _span_windows(spans, window, align, ramp)
+    return _span_windows(spans, window, align)
 
 
 def _gather_windows(
@@ -334,9 +310,6 @@ class ShardWriter:
         hashes = hasher.hashes if hasher is not None else digests or []
 
         try:
-            direct = getattr(self.handle, "direct", False)
-            # From the items' own memory, through the writes' huge-page buffers: see _Staged.
-            may_stage = hasher is not None and image is None and direct
             if image is not None:
                 if image_offsets is None or len(image_offsets) != len(items):
                     raise ValueError("a staging image needs the image offset of every item")
@@ -344,14 +317,20 @@ class ShardWriter:
                     image, image_offsets, offsets, items, self.align, self.window
                 )
             else:
-                windows = _item_windows(items, offsets, self.align, self.window, ramp=may_stage)
+                windows = _item_windows(items, offsets, self.align, self.window)
             early = None
-            if self.verify_early and direct:
+            if self.verify_early and getattr(self.handle, "direct", False):
                 try:
                     early = _EarlyCheck(self, items, offsets, hashes, windows)
                 except _NoEarlyCheck:
                     early = None
-            staged = may_stage and len(windows) > 1
+            # From the items' own memory, through the writes' huge-page buffers: see _Staged.
+            staged = (
+                hasher is not None
+                and image is None
+                and len(windows) > 1
+                and getattr(self.handle, "direct", False)
+            )
             # Staged writes are queued as their windows are filled.
             tasks = (
                 []
