@@ -738,7 +738,7 @@ def _parse_entry(
         align = ENTRY_ALIGN
     if offset % align:
         raise InvalidManifest(f"{ew}: offset {offset} is not {align}-byte aligned")
-    file = e.get("file", shard.path)
+    file = get("file", shard.path)
     lent = None
     # The shard's own path, which its manifest entry (or the coordinator's assignment)
     # has already confined, is the common case: no pattern to match per entry.
@@ -748,12 +748,12 @@ def _parse_entry(
             check_relative(file, what=f"{ew} file")
             raise InvalidManifest(f"{ew}: file {file!r} is not this index's shard {shard.path!r}")
         _check_lender_file(file, step, ew)
-    digests = e.get("blake3")
+    digests = get("blake3")
     if not isinstance(digests, list) or len(digests) != hashing.n_blocks(length, block):
         raise InvalidManifest(f"{ew}: expected {hashing.n_blocks(length, block)} block hashes")
     if not hashing.all_hex_digests(digests):
         raise InvalidManifest(f"{ew}: block hashes must be blake3 hex digests")
-    stats = tensorstats.parse(e.get("stats"), dtype=dtype, numel=numel, what=ew)
+    stats = tensorstats.parse(get("stats"), dtype=dtype, numel=numel, what=ew)
     runs = _borrowed_blocks(e, len(digests), align, step, version, ew)
     if runs and lent is not None:
         raise InvalidManifest(
