@@ -114,14 +114,21 @@ def zeroed_like(state: Any, memo: dict[int, Any] | None = None) -> Any:
 # ----------------------------------------------------------------------------- surgery
 
 
+def as_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read from here on as another process would: nothing this process committed or
+    parsed is remembered (read_lineage's memo)."""
+    from ckptd.format import checkpoint as ckfmt
+
+    monkeypatch.setattr(ckfmt, "_LINES", hashing.DigestMemo(16))
+
+
 def as_older_ckptd(monkeypatch: pytest.MonkeyPatch, versions: tuple[int, ...]) -> None:
     """Read from here on as a ckptd that reads only format `versions`, in a process of its
-    own: nothing this process committed or parsed is remembered (read_lineage's memo)."""
-    from ckptd.format import checkpoint as ckfmt
+    own (as_fresh_process)."""
     from ckptd.format import manifest as mf
 
     monkeypatch.setattr(mf, "READ_VERSIONS", versions)
-    monkeypatch.setattr(ckfmt, "_LINES", hashing.DigestMemo(16))
+    as_fresh_process(monkeypatch)
 
 
 def step_path(job: str | os.PathLike[str], step: int) -> str:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from ckpt_testutil import (
+    as_fresh_process,
     assert_same,
     edit_index,
     edit_manifest,
@@ -644,7 +645,7 @@ def test_a_commit_tells_the_live_line_its_step_without_a_parse(job, monkeypatch)
     monkeypatch.setattr(ckfmt, "parse_manifest", lambda *a, **k: parsed.append(1) or parse(*a, **k))
     lines = [ckfmt.read_lineage(storage, step) for step in (1, 2)]
     assert ckfmt.latest_step(storage) == 2 and not parsed
-    monkeypatch.setattr(ckfmt, "_LINES", hashing.DigestMemo(16))  # as in a fresh process
+    as_fresh_process(monkeypatch)
     assert [ckfmt.read_lineage(storage, step) for step in (1, 2)] == lines
     assert len(parsed) == 2 and lines[1] == ckfmt.LineStep(2, 1, lines[1].saved_unix, ())
 
