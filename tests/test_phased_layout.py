@@ -35,11 +35,22 @@ def phased_layout():
         yield
 
 
+def _64_bytes_into_a_page(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in memory of its own that starts 64 bytes into a page, where torch's
+    allocator usually puts a large tensor. Usually only: where a fresh 3 MiB tensor lands
+    depends on what the process freed before (glibc raises its mmap threshold), and one
+    that came page-aligned made the tests below prove nothing."""
+    raw = np.empty(t.nbytes + 2 * 4096, dtype=np.uint8)
+    at = (64 - raw.ctypes.data) % 4096
+    out = torch.from_numpy(raw[at : at + t.nbytes]).view(t.dtype).view(t.shape)
+    return out.copy_(t)
+
+
 def state(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Large tensors (torch puts them 64 bytes into a page), a middling one and a small one."""
+    """Large tensors (64 bytes into a page), a middling one and a small one."""
     g = torch.Generator().manual_seed(seed)
     return {
-        "a": torch.randn(3 * MiB // 4 + 5, generator=g),  # 3 MiB and a bit
+        "a": _64_bytes_into_a_page(torch.randn(3 * MiB // 4 + 5, generator=g)),  # 3 MiB and a bit
         "b": torch.randn(1024, 1024, generator=g, dtype=torch.float32).bfloat16(),  # 2 MiB
         "c": torch.randn(MiB // 4 - 7, generator=g),  # just under 1 MiB: keeps its aligned place
         "small": torch.randn(10, generator=g),
