@@ -51,7 +51,7 @@ def state(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
         "a": _64_bytes_into_a_page(torch.randn(3 * MiB // 4 + 5, generator=g)),  # 3 MiB and a bit
-        "b": torch.randn(1024, 1024, generator=g, dtype=torch.float32).bfloat16(),  # 2 MiB
+        "b": _64_bytes_into_a_page(torch.randn(1024, 1024, generator=g).bfloat16()),  # 2 MiB
         "c": torch.randn(MiB // 4 - 7, generator=g),  # just under 1 MiB: keeps its aligned place
         "small": torch.randn(10, generator=g),
     }
