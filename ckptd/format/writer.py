@@ -318,19 +318,15 @@ class ShardWriter:
                 )
             else:
                 windows = _item_windows(items, offsets, self.align, self.window)
+            direct = getattr(self.handle, "direct", False)
             early = None
-            if self.verify_early and getattr(self.handle, "direct", False):
+            if self.verify_early and direct:
                 try:
                     early = _EarlyCheck(self, items, offsets, hashes, windows)
                 except _NoEarlyCheck:
                     early = None
             # From the items' own memory, through the writes' huge-page buffers: see _Staged.
-            staged = (
-                hasher is not None
-                and image is None
-                and len(windows) > 1
-                and getattr(self.handle, "direct", False)
-            )
+            staged = hasher is not None and image is None and len(windows) > 1 and direct
             # Staged writes are queued as their windows are filled.
             tasks = (
                 []
