@@ -1,10 +1,10 @@
 """Health stats of a floating-point chunk: NaN and Inf counts, sum of squares, max |x|.
 
-Computed block by block in the pass that hashes the bytes (ckptd.format.writer), while the
-block is still in cache: no second read of the staging copy, and no read of storage. The
-cheap way is chosen per dtype, in numpy on the hashing thread (torch's own reductions on a
-CPU tensor fan out to its intra-op pool, which the hash threads and the training compete
-for; bench/README.md, health_stats.py):
+Computed block by block in the pass that hashes the bytes (ckptd.format.writer), beside the
+hash of the same block while it is in cache: no second read of the staging copy, and no
+read of storage. The cheap way is chosen per dtype, in numpy on the hashing thread
+(torch's own reductions on a CPU tensor fan out to its intra-op pool, which the hash
+threads and the training compete for; bench/README.md, health_stats.py):
 
 - float32, float64: one BLAS dot (the sum of squares) and a max and a min. A dot that
   comes out finite proves there is no NaN or Inf, so the counting runs only on a block
