@@ -32,7 +32,7 @@ import math
 import sys
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -61,16 +61,22 @@ def covered(dtype: str) -> bool:
     return dtype in COVERED
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorStats:
+class TensorStats(NamedTuple):
     """One chunk's (or, combined, one tensor's) health. nan/inf count elements (for
     float4_e2m1fn_x2, which has neither, of the two values per byte); sumsq and max_abs
-    are over the finite values only."""
+    are over the finite values only. A tuple, so that a save can keep its thousands of
+    blocks' stats as plain tuples (ckptd.format.writer._Hasher), which the collector
+    stops tracking."""
 
     nan: int = 0
     inf: int = 0
     sumsq: float = 0.0
     max_abs: float = 0.0
+
+    def plain(self) -> tuple[int, int, float, float]:
+        """These fields as a plain tuple, which the collector stops tracking (it tracks
+        every instance of a tuple's subclass)."""
+        return (self.nan, self.inf, self.sumsq, self.max_abs)
 
     @property
     def finite(self) -> bool:
@@ -89,15 +95,16 @@ class TensorStats:
         return {"nan": self.nan, "inf": self.inf, "sumsq": self.sumsq, "max_abs": self.max_abs}
 
 
-def combine(parts: Iterable[TensorStats]) -> TensorStats:
-    """The stats of the union of disjoint parts (blocks of a chunk, chunks of a tensor)."""
+def combine(parts: Iterable[tuple[int, int, float, float]]) -> TensorStats:
+    """The stats of the union of disjoint parts (blocks of a chunk, chunks of a tensor),
+    each a TensorStats or a plain tuple of its fields."""
     nan = inf = 0
     sumsq = max_abs = 0.0
-    for p in parts:
-        nan += p.nan
-        inf += p.inf
-        sumsq += p.sumsq
-        max_abs = max(max_abs, p.max_abs)
+    for p_nan, p_inf, p_sumsq, p_max_abs in parts:
+        nan += p_nan
+        inf += p_inf
+        sumsq += p_sumsq
+        max_abs = max(max_abs, p_max_abs)
     return TensorStats(nan, inf, min(sumsq, _MAX), max_abs)
 
 
