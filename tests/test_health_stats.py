@@ -9,6 +9,7 @@ that only one rank's chunk makes sick.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -26,7 +27,7 @@ import ckpt
 from ckptd import knobs
 from ckptd.errors import InvalidManifest, NonFiniteCheckpoint
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import health, tensorstats
+from ckptd.format import health, tensorstats, writer
 from ckptd.format.writer import WriteItem, write_shard
 from ckptd.storage import counters, open_storage
 
@@ -124,6 +125,58 @@ def test_the_writer_path_without_precomputed_hashes_records_stats(tmp_path: Path
     assert item.stats is not None
     index = json.loads((tmp_path / "job" / "step-000000000007/shards/rank-00000.json").read_text())
     assert_matches(index["entries"][0]["stats"], t)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocks_hashed_in_place_and_from_a_copy_record_the_same_stats(
+    tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer takes a block's stats before its hash when it reads the block from memory
+    (a Checkpointer's staging image) and after it when the block was just copied (a
+    one-shot save's bounce copy): both orders record the same, right stats, and each
+    save here takes the path it is meant to."""
+    paths: list[bool] = []
+    block_of = writer._Hasher.block_of
+
+    def spy(self: Any, i: int, b: int, data: np.ndarray, copied: bool = False) -> None:
+        paths.append(copied)
+        block_of(self, i, b, data, copied)
+
+    monkeypatch.setattr(writer._Hasher, "block_of", spy)
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    big = sick(dtype, (3 << 20) // itemsize + 7, seed=4)  # 4 blocks
+    one_shot, staged = str(tmp_path / "one-shot"), str(tmp_path / "staged")
+    with knobs.override(io_window=1 << 20):  # several windows: the staged writes' copy
+        ckpt.save({"big": big}, one_shot, step=1)
+    assert_matches(stats_of(one_shot, 1, "big"), big)
+    handle = open_storage(one_shot).open_write("probe.bin", 4096)
+    direct = bool(getattr(handle, "direct", False))
+    handle.abort()
+    if direct:  # the bounce copy is for O_DIRECT writes only
+        assert any(paths), "the one-shot save hashed no block from its bounce copy"
+    paths.clear()
+    with ckpt.Checkpointer(staged) as cp:
+        cp.save({"big": big}, 1).wait()
+    assert paths and not any(paths), "the staged save hashed a block from a copy"
+    assert_matches(stats_of(staged, 1, "big"), big)
+
+
+def test_a_saves_block_stats_stay_out_of_the_collectors_sight() -> None:
+    """A save holds one block's stats per MiB until it settles; as plain tuples of numbers
+    the collector stops tracking them, so young collections during the save do not move
+    thousands of them into the oldest generation (docs/configuration.md)."""
+    data = torch.randn(3 << 18).view(torch.uint8).numpy()  # 3 MiB of float32: 3 blocks
+    item = WriteItem("x", "float32", [3 << 18], [0], [3 << 18], data)
+    hasher = writer._Hasher([item], 1 << 20)
+    hasher.run_all(8 << 20)
+    parts = hasher.parts[0]
+    assert parts is not None and len(parts) == 3
+    gc.collect()
+    assert not any(gc.is_tracked(p) for p in parts)
+    assert item.stats == tensorstats.combine(parts)
+    assert item.stats.sumsq == pytest.approx(
+        float((data.view(np.float32).astype(np.float64) ** 2).sum()), rel=1e-5
+    )
 
 
 def test_block_stats_agree_with_torch_on_random_bits() -> None:
