@@ -14,7 +14,9 @@ disk or a noisy neighbour hits all of them):
   train   median step time of a small CPU TransformerEncoder training loop
           (torch.set_num_threads(2)): alone, while a ckpt async save persists, while a
           DCP async_save (thread executor) persists; a save shorter than 5 steps is
-          followed by the next one (its blocking part is not a step) until 5 steps ran
+          followed by the next one (its blocking part is not a step) until 5 steps ran;
+          and the training time each save cost: its steps' extra time over the same
+          number of steps alone (a faster save slows fewer steps)
 With CUDA, the floor, DCP and ckpt saves also run on the state moved to the GPU
 (device-to-host; the floor copies into preallocated pinned buffers); otherwise they are
 reported as skipped.
@@ -271,6 +273,9 @@ def train_during(
         "save_total": first_total,
         "n_steps": len(steps),
         "n_saves": saves,
+        # What the saves cost the training, less what the same steps take alone (ratios).
+        "step_s_per_save": sum(steps) / saves,
+        "steps_per_save": len(steps) / saves,
     }
 
 
@@ -433,10 +438,23 @@ def ratios(med: dict[str, dict[str, float]], has_gpu: bool) -> list[dict[str, An
     alone = m("train: train step, no checkpoint", "step")
     s_ckpt = m("train: train step, ckpt async save persisting", "step") / alone
     s_dcp = m("train: train step, DCP async_save (thread) persisting", "step") / alone
+    # A save that persists faster takes the same cores for a shorter time: its steps slow
+    # more while it runs, and fewer of them do. What a save costs the training is the
+    # extra time of the steps it overlapped: their time less as many steps alone.
+    lost = {
+        who: m(k, "step_s_per_save") - m(k, "steps_per_save") * alone
+        for who, k in (
+            ("ckpt", "train: train step, ckpt async save persisting"),
+            ("DCP", "train: train step, DCP async_save (thread) persisting"),
+        )
+    }
     out += [
         ("train step slowdown, ckpt persisting (vs alone)", s_ckpt, 1.0, None),
         ("train step slowdown, DCP thread persisting (vs alone)", s_dcp, 1.0, None),
         ("ckpt train slowdown / DCP train slowdown", s_ckpt, s_dcp, 1.0),
+        ("training time lost a save (s), ckpt persisting", lost["ckpt"], 1.0, None),
+        ("training time lost a save (s), DCP thread persisting", lost["DCP"], 1.0, None),
+        ("ckpt / DCP training time lost a save", lost["ckpt"], lost["DCP"], None),
     ]
     rows = []
     for name, num, den, target in out:
