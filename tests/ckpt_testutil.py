@@ -259,15 +259,21 @@ class DirectDelegatingWriteHandle(DelegatingWriteHandle):
         return bool(getattr(self.inner, "direct", False))
 
 
-def direct_local_storage(root: str | os.PathLike[str]) -> LocalStorage:
-    """A LocalStorage at `root` whose shard files are written O_DIRECT; the test is skipped
-    where the filesystem refuses it (tmpfs)."""
-    storage = LocalStorage(str(root), create=True)
+def writes_direct(storage: LocalStorage) -> bool:
+    """Whether `storage` writes its files O_DIRECT (not where the filesystem refuses it:
+    tmpfs); probed with a file it removes."""
     probe = storage.open_write("probe.bin", 4096)
     direct = bool(getattr(probe, "direct", False))
     probe.abort()
     storage.remove_tree("probe.bin")
-    if not direct:
+    return direct
+
+
+def direct_local_storage(root: str | os.PathLike[str]) -> LocalStorage:
+    """A LocalStorage at `root` whose shard files are written O_DIRECT; the test is skipped
+    where the filesystem refuses it (tmpfs)."""
+    storage = LocalStorage(str(root), create=True)
+    if not writes_direct(storage):
         pytest.skip("this filesystem refuses O_DIRECT")
     return storage
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from ckpt_testutil import edit_index, entry
+from ckpt_testutil import edit_index, entry, writes_direct
 from coordinator_fixtures import spawn_ranks
 from ranks import health_worker
 
@@ -30,6 +30,7 @@ from ckptd.format import checkpoint as ckfmt
 from ckptd.format import health, tensorstats, writer
 from ckptd.format.writer import WriteItem, write_shard
 from ckptd.storage import counters, open_storage
+from ckptd.storage.local import LocalStorage
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -149,10 +150,7 @@ def test_blocks_hashed_in_place_and_from_a_copy_record_the_same_stats(
     with knobs.override(io_window=1 << 20):  # several windows: the staged writes' copy
         ckpt.save({"big": big}, one_shot, step=1)
     assert_matches(stats_of(one_shot, 1, "big"), big)
-    handle = open_storage(one_shot).open_write("probe.bin", 4096)
-    direct = bool(getattr(handle, "direct", False))
-    handle.abort()
-    if direct:  # the bounce copy is for O_DIRECT writes only
+    if writes_direct(LocalStorage(one_shot)):  # the bounce copy is for O_DIRECT writes only
         assert any(paths), "the one-shot save hashed no block from its bounce copy"
     paths.clear()
     with ckpt.Checkpointer(staged) as cp:
