@@ -69,6 +69,21 @@ class WriteItem:
     # its bytes (_Hasher) for a floating-point dtype; recorded in the shard index.
     stats: tensorstats.TensorStats | None = None
 
+    def entry(self, offset: int, blake3: list[str], file: str) -> IndexEntry:
+        """Its index entry, at `offset` of the shard file `file`, with these block hashes."""
+        return IndexEntry(
+            key=self.key,
+            dtype=self.dtype,
+            shape=list(self.shape),
+            chunk_offsets=list(self.chunk_offsets),
+            chunk_sizes=list(self.chunk_sizes),
+            offset=offset,
+            length=self.data.nbytes,
+            blake3=blake3,
+            file=file,
+            stats=self.stats,
+        )
+
 
 def ahead_name(shard_path: str) -> str:
     """The private name of a shard file written ahead of the coordinator's plan
@@ -434,18 +449,7 @@ class ShardWriter:
             raise ValueError(f"verify must be 'full' or 'size', got {verify!r}")
         self.written()
         written = [
-            IndexEntry(
-                key=it.key,
-                dtype=it.dtype,
-                shape=list(it.shape),
-                chunk_offsets=list(it.chunk_offsets),
-                chunk_sizes=list(it.chunk_sizes),
-                offset=off,
-                length=it.data.nbytes,
-                blake3=digests[i],
-                file=self.shard_name,
-                stats=it.stats,
-            )
+            it.entry(off, digests[i], self.shard_name)
             for i, (it, off) in enumerate(zip(items, offsets, strict=True))
         ]
         gap = packing_gap(written, self.size, self.align, PHASED_VERSION)
@@ -872,18 +876,8 @@ class _EarlyCheck:
         windows: list[Window],
     ):
         self.writer = writer
-        self.entries = [
-            IndexEntry(
-                key=it.key,
-                dtype=it.dtype,
-                shape=list(it.shape),
-                chunk_offsets=list(it.chunk_offsets),
-                chunk_sizes=list(it.chunk_sizes),
-                offset=off,
-                length=it.data.nbytes,
-                blake3=hashes[i],  # filled in by the hash tasks
-                file=writer.shard_name,
-            )
+        self.entries = [  # their hashes filled in by the hash tasks
+            it.entry(off, hashes[i], writer.shard_name)
             for i, (it, off) in enumerate(zip(items, offsets, strict=True))
         ]
         k = knobs.get()
