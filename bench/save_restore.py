@@ -10,7 +10,9 @@ disk hits all of them):
   floors  the very files (or a file of the same size in the same place) the ckpt method
           next to them reads or writes, each the best of a threads x window sweep: a cold
           read of ckpt's shard files, a new file written and read back, an overwrite of
-          the recycle pool's file (so a ratio above 1.0 is impossible by construction)
+          the recycle pool's file (so a ratio above 1.0 is impossible by construction);
+          info: the same overwrite from the tensors' memory, and a bare copy + hash +
+          stats pipeline writing it (the recycled save's work without ckpt around it)
   ckpt    save(verify=size), save(size, preallocate), save(verify=full), recycled save,
           load, Checkpointer.resume, verify, and the first vs a later Checkpointer.save
           stall
@@ -25,6 +27,7 @@ bench/results/save_restore-<timestamp>.json.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import ctypes
 import gc
@@ -692,6 +695,92 @@ def floor_overwrite_pool_from_tensors(b: Bench) -> float:
     )
 
 
+# The bare pipeline's shape: ckpt's defaults (io_window, io_threads, the hash threads on 2
+# cores, the block its hashes and stats are taken over).
+BARE_WINDOW = 32 * C.MiB
+BARE_WRITES = 4
+BARE_FILLERS = 2
+BARE_BLOCK = C.MiB
+
+
+@method("floor", "floor (info): bare copy + hash + stats pipeline, overwriting the pool's file")
+def floor_bare_pipeline(b: Bench) -> float:
+    """The recycled save's CPU work and writes with none of ckpt around them: 2 threads
+    copy each 32 MiB window of the raw layout into a huge-page buffer block by block,
+    blake3 each block and take its health stats (ckpt's own digest and block_stats) while
+    it is in cache, and queue its O_DIRECT write; 4 threads overwrite the pool's file from
+    the buffers (writes in flight + fillers of them, as ckpt lends); fsync. No flatten, plan,
+    index, coordinator, commit or retention. Over the overwrite floor it says what these
+    cores allow a save that copies and hashes every byte; the recycled save over it, what
+    ckpt's own machinery costs (bench/README.md, issue 16 twenty-sixth pass)."""
+    from ckptd.format import hashing, tensorstats
+    from ckptd.storage.local import copy_into
+
+    job, _ = _recycled_job(b)
+    (pool_file,) = _pool_files(job)
+    windows = _bare_windows(b)
+    bufs: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+    for _ in range(BARE_WRITES + BARE_FILLERS):
+        bufs.put(b.bufs.get())
+    try:
+        with Clock(b) as clk:
+            fd = os.open(pool_file, os.O_WRONLY | O_DIRECT)
+            try:
+                with (
+                    ThreadPoolExecutor(BARE_FILLERS) as fillers,
+                    ThreadPoolExecutor(BARE_WRITES) as writers,
+                ):
+
+                    def write(off: int, length: int, buf: np.ndarray) -> None:
+                        try:
+                            if os.pwrite(fd, buf[:length], off) != length:
+                                raise OSError(f"short write at {off} of {pool_file}")
+                        finally:
+                            bufs.put(buf)
+
+                    def fill(w: tuple[int, int, list[Any]], buf: np.ndarray) -> Any:
+                        off, length, pieces = w
+                        buf[:length] = 0  # the alignment gaps (the memset is cheap)
+                        for lo, arr, dtype in pieces:
+                            at = lo - off
+                            for i in range(0, arr.nbytes, BARE_BLOCK):
+                                out = buf[at + i : at + min(arr.nbytes, i + BARE_BLOCK)]
+                                copy_into(out, arr[i : i + out.nbytes])
+                                hashing.digest(out)
+                                if dtype is not None:
+                                    tensorstats.block_stats(out, dtype)
+                        return writers.submit(write, off, length, buf)
+
+                    queued = [fillers.submit(fill, w, bufs.get()) for w in windows]
+                    for f in queued:
+                        f.result().result()
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        clk.record_cpu("floor (info): bare pipeline")
+    finally:
+        for _ in range(BARE_WRITES + BARE_FILLERS):
+            b.bufs.put(bufs.get())
+    return clk.s
+
+
+def _bare_windows(b: Bench) -> list[tuple[int, int, list[Any]]]:
+    """b.windows_of(BARE_WINDOW), each piece with its tensor's dtype name where it gets
+    health stats (else None); a piece's tensor is the one whose memory holds it."""
+    from ckptd.format import dtypes, tensorstats
+
+    spans = sorted((t.data_ptr(), dtypes.name_of(t.dtype)) for _, t in b.flat)
+    starts = [a for a, _ in spans]
+    out = []
+    for off, length, pieces in b.windows_of(BARE_WINDOW):
+        tagged = []
+        for lo, arr in pieces:
+            name = spans[bisect.bisect_right(starts, arr.ctypes.data) - 1][1]
+            tagged.append((lo, arr, name if name and tensorstats.covered(name) else None))
+        out.append((off, length, tagged))
+    return out
+
+
 def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
     want = sum(v.nbytes for v in views)
     done = os.pwritev(fd, views, offset)
@@ -913,7 +1002,10 @@ def ratios(
     the preallocated save, the raw O_DIRECT write of a fallocated file over DCP's save (a
     reference, not a strict ceiling: that save runs at about the raw write); for the
     recycled save, the overwrite floor or, where slower, the pace of ckpt's one pass over
-    the bytes (blake3 and health stats on 2 threads, no copy, no I/O). The
+    the bytes (blake3 and health stats on 2 threads, no copy, no I/O); and a bare pipeline
+    (the same copy, hash, stats and overwrite with nothing of ckpt around them) over that
+    floor, which the recycled save over the bare pipeline splits into what the cores allow
+    and what ckpt's own machinery costs. The
     "its CPU" rows (cpu_bound_gbps) say whether a save is held back by the cores: under its
     target, the save cannot reach it with the CPU work it does now, however its I/O is
     scheduled. The older "best raw" rows (raw.bin, written moments before the read and
@@ -941,6 +1033,9 @@ def ratios(
     pool_write = med.get("floor: overwrite the recycle pool's file, O_DIRECT, best", nan)
     pool_from_tensors = med.get(
         "floor (info): overwrite the pool's file from the tensors' memory, best", nan
+    )
+    bare = med.get(
+        "floor (info): bare copy + hash + stats pipeline, overwriting the pool's file", nan
     )
     save = med.get("ckpt save(verify=size)", nan)
     pre = med.get("ckpt save(verify=size, preallocate)", nan)
@@ -1000,6 +1095,11 @@ def ratios(
             pool_write,
             None,
         ),
+        # The same copy, hash, stats and overwrite with nothing of ckpt around them: what
+        # these cores allow a save that copies and hashes every byte, and (the row after)
+        # what ckpt's own machinery (flatten, plan, index, coordinator, commit) costs.
+        ("  ceiling: a bare copy + hash + stats pipeline / that floor", bare, pool_write, None),
+        ("  recycled save / that bare pipeline", rec, bare, None),
         # The same overwrite from the tensors' own memory (4 KiB pages unless torch is told
         # to ask for huge pages): how much of the gap above is where the bytes lie.
         (
