@@ -740,18 +740,22 @@ def floor_bare_pipeline(b: Bench) -> float:
 
                     def fill(w: tuple[int, int, list[Any]], buf: np.ndarray) -> Any:
                         off, length, pieces = w
-                        pos = 0  # zeros in the alignment gaps only, as the writer does
-                        for lo, arr, dtype in pieces:
-                            at = lo - off
-                            buf[pos:at] = 0
-                            for i in range(0, arr.nbytes, BARE_BLOCK):
-                                out = buf[at + i : at + min(arr.nbytes, i + BARE_BLOCK)]
-                                copy_into(out, arr[i : i + out.nbytes])
-                                hashing.digest(out)
-                                if dtype is not None:
-                                    tensorstats.block_stats(out, dtype)
-                            pos = at + arr.nbytes
-                        buf[pos:length] = 0
+                        try:
+                            pos = 0  # zeros in the alignment gaps only, as the writer does
+                            for lo, arr, dtype in pieces:
+                                at = lo - off
+                                buf[pos:at] = 0
+                                for i in range(0, arr.nbytes, BARE_BLOCK):
+                                    out = buf[at + i : at + min(arr.nbytes, i + BARE_BLOCK)]
+                                    copy_into(out, arr[i : i + out.nbytes])
+                                    hashing.digest(out)
+                                    if dtype is not None:
+                                        tensorstats.block_stats(out, dtype)
+                                pos = at + arr.nbytes
+                            buf[pos:length] = 0
+                        except BaseException:
+                            bufs.put(buf)  # else the windows after it wait for it forever
+                            raise
                         return writers.submit(write, off, length, buf)
 
                     queued = [fillers.submit(fill, w, bufs.get()) for w in windows]
