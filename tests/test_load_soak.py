@@ -200,6 +200,55 @@ def test_finished_sessions_are_bounded_by_ranks(tmp_path: Path) -> None:
     c.catalog.close()
 
 
+def _held(obj: Any) -> int:
+    """The objects the collector tracks that `obj` holds, through builtin containers and
+    ckptd's own objects (not through futures or tasks, which reach the event loop)."""
+    import gc
+
+    seen: set[int] = set()
+    todo = [obj]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or not gc.is_tracked(o):
+            continue
+        seen.add(id(o))
+        if type(o) in (dict, list, tuple, set) or type(o).__module__.startswith("ckptd."):
+            todo.extend(gc.get_referents(o))
+    return len(seen)
+
+
+def test_an_ended_save_keeps_only_what_answers_a_retry(tmp_path: Path) -> None:
+    """An ended save stays among the recent ones (up to 256) to answer retries. It kept
+    the merged state tree, its check and the draft manifests too: 1-2 objects a tensor, in
+    the process that runs the coordinator (rank 0's, embedded), where every full garbage
+    collection walks them. 260 saves of 3,000 tensors left 967,000 objects and a 235 ms
+    collection, against 113 ms now. What an ended save keeps no longer grows with its
+    tensors, and a retry whose first reply was lost is still answered."""
+    import torch
+    from coordinator_fixtures import RankSim, new_core, run, started
+
+    job = str(tmp_path / "root" / "job")
+
+    async def main() -> dict[int, int]:
+        held: dict[int, int] = {}
+        core = new_core(tmp_path / "root")
+        async with started(core):
+            for step, tensors in ((1, 10), (2, 1000)):
+                rank = RankSim(core, job, 0, 1)
+                rank.prepare({f"layer{i}.w": torch.full((4,), float(i)) for i in range(tensors)})
+                await rank.begin(step)
+                rep = await rank.write(step)
+                await rank.report(step, rep)
+                assert (await core.await_commit(rank.ref(step), 30)).status == "COMMITTED"
+                held[tensors] = _held(core.finished[(core.job_name(job), step, 0)])
+                assert (await rank.report(step, rep)).status == "COMMITTED"
+                assert (await core.await_commit(rank.ref(step), 1)).status == "COMMITTED"
+        return held
+
+    held = run(main())
+    assert held[1000] < held[10] + 50, held
+
+
 def test_a_rank_writing_after_the_abort_leaves_no_files(tmp_path: Path) -> None:
     """Found by the 4,096-rank soak: a live rank still writing when another's lease expired
     wrote its shard after the abort had removed the save's files, and the files stayed.

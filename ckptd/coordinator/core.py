@@ -634,10 +634,9 @@ class Coordinator(Recovery, Queries, Reports, Nodes, MemoryCommits):
         if self.sessions.get((s.job, s.step)) is s:
             del self.sessions[(s.job, s.step)]
         self.finished[(s.job, s.step, s.generation)] = s
-        s.plans.clear()  # plans can be large; the answers (reports, status) are kept
-        s.chunks.clear()
-        # An ended save of 4,096 ranks still holds ~4 MiB (every rank's report, the merged
-        # state), so the bound counts ranks too; an evicted save is answered from the catalog.
+        s.release()
+        # An ended save of 4,096 ranks still holds every rank's report (megabytes), so the
+        # bound counts ranks too; an evicted save is answered from the catalog.
         while len(self.finished) > MAX_FINISHED_SAVES or (
             len(self.finished) > 1
             and sum(x.world_size for x in self.finished.values()) > MAX_FINISHED_RANKS

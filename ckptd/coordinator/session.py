@@ -91,6 +91,17 @@ class Session:
         # one tree (values.split_per_rank), parsed once by the servicer into one object.
         self._checked: tuple[Any, int] | None = None
 
+    def release(self) -> None:
+        """Drop what only a live save uses, once it has ended. The ended save stays in the
+        coordinator's recent saves (up to 256) to answer retries from its status, reports
+        and assignment; the plans, chunks, state tree and draft manifests would stay with
+        it, 1-2 objects a tensor, 256 saves long, walked by every full garbage
+        collection of the process that runs the coordinator (rank 0's, embedded)."""
+        self.plans.clear()
+        self.chunks.clear()
+        self.drafts.clear()
+        self.state, self.metadata, self._checked = None, {}, None
+
     def check_state(self, state: Any, rank_state: list[Any] | None, where: str) -> None:
         """A rank's state tree and its per-rank entries, checked (the tree once a save)."""
         if state is None:
