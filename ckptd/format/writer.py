@@ -70,13 +70,16 @@ class WriteItem:
     stats: tensorstats.TensorStats | None = None
 
     def entry(self, offset: int, blake3: list[str], file: str) -> IndexEntry:
-        """Its index entry, at `offset` of the shard file `file`, with these block hashes."""
+        """Its index entry, at `offset` of the shard file `file`, with these block hashes.
+        The entry shares the item's lists (nothing changes them in place): a copy of each
+        was 6 more lists a tensor alive through a save (the index and the early check), and
+        what a save keeps alive decides how often Python's full collections run."""
         return IndexEntry(
             key=self.key,
             dtype=self.dtype,
-            shape=list(self.shape),
-            chunk_offsets=list(self.chunk_offsets),
-            chunk_sizes=list(self.chunk_sizes),
+            shape=self.shape,
+            chunk_offsets=self.chunk_offsets,
+            chunk_sizes=self.chunk_sizes,
             offset=offset,
             length=self.data.nbytes,
             blake3=blake3,
