@@ -327,7 +327,7 @@ def _int_list(v: Any, name: str, what: object) -> list[int]:
     for x in v:
         if type(x) is not int or not 0 <= x < MAX_ELEMENTS:
             raise InvalidManifest(f"{what}: {name} has an invalid dimension {x!r}")
-    return list(v)
+    return v  # the parse's own list, checked: a copy was one more list alive an entry
 
 
 def _check_header(doc: Any, fmt: str, what: str) -> dict[str, Any]:
@@ -761,7 +761,7 @@ def _parse_entry(
             f"not {file!r}"
         )
     return IndexEntry(
-        key, dtype, shape, offs, sizes, offset, length, list(digests), file, stats, runs
+        key, dtype, shape, offs, sizes, offset, length, digests, file, stats, runs
     )
 
 
