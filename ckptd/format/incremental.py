@@ -91,7 +91,7 @@ def reuse_blocks(
     new = copy.copy(old)
     new.blake3 = list(digests)
     if len(runs) == 1 and runs[0].count == len(digests):
-        new.file, new.offset, new.borrowed_blocks = runs[0].file, runs[0].offset, []
+        new.file, new.offset, new.borrowed_blocks = runs[0].file, runs[0].offset, ()
         return new
     new.file, new.offset, new.borrowed_blocks = own_file, 0, runs
     return new

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -89,8 +90,10 @@ class IndexEntry:
     stats: tensorstats.TensorStats | None = None
     # Format version 4: the entry's blocks stored in a lender's file (ascending, disjoint);
     # every other block is in `file` (this step's shard) from `offset`, in block order.
-    # Empty: all of the entry is at `file`/`offset`. See `entry_pieces`.
-    borrowed_blocks: list[BlockRun] = dataclasses.field(default_factory=list)
+    # Empty: all of the entry is at `file`/`offset`. See `entry_pieces`. The empty tuple,
+    # not a list: a list an entry was one more object alive through every save and parse
+    # (Python's collector counts them; bench/README.md, twenty-seventh pass).
+    borrowed_blocks: Sequence[BlockRun] = ()
     # Not stored: when this entry is one piece of a larger one (entry_pieces), the larger
     # one's block number of blake3[0] (errors name the block as the index counts it) and
     # the byte of the larger entry where this piece begins.
@@ -616,7 +619,7 @@ def entry_pieces(e: IndexEntry, block: int) -> list[IndexEntry]:
             length=hi - lo,
             blake3=e.blake3[b0:b1],
             stats=None,
-            borrowed_blocks=[],
+            borrowed_blocks=(),
             first_block=b0,
             start=lo,
         )
@@ -640,7 +643,7 @@ def own_part(e: IndexEntry, block: int) -> IndexEntry | None:
     if not e.borrowed_blocks:
         return None if e.lenders else e
     n = e.length - sum(p.length for p in entry_pieces(e, block) if p.file != e.file)
-    return dataclasses.replace(e, length=n, borrowed_blocks=[]) if n else None
+    return dataclasses.replace(e, length=n, borrowed_blocks=()) if n else None
 
 
 def packing_gap(
@@ -760,9 +763,7 @@ def _parse_entry(
             f"{ew}: borrows blocks, so its file must be this index's shard {shard.path!r}, "
             f"not {file!r}"
         )
-    return IndexEntry(
-        key, dtype, shape, offs, sizes, offset, length, digests, file, stats, runs
-    )
+    return IndexEntry(key, dtype, shape, offs, sizes, offset, length, digests, file, stats, runs)
 
 
 def _check_lender_file(file: str, step: int, what: object) -> None:
@@ -782,13 +783,13 @@ def _check_lender_file(file: str, step: int, what: object) -> None:
 
 def _borrowed_blocks(
     e: dict[str, Any], n_blocks: int, align: int, step: int, version: int, what: object
-) -> list[BlockRun]:
+) -> Sequence[BlockRun]:
     """An entry's optional `borrowed_blocks` (format version 4): runs
     [first block, block count, lender's file, offset there], ascending and disjoint, inside
     the entry's blocks."""
     got = e.get("borrowed_blocks")
     if got is None:
-        return []
+        return ()
     if version < BLOCK_BORROWING_VERSION:
         raise InvalidManifest(
             f"{what}: borrows blocks, which format version {version} cannot (version "
