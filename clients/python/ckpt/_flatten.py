@@ -62,8 +62,11 @@ class Leaf:
         if self.nbytes < 0:
             self.nbytes = self.data.nbytes
         if not self.chunk_sizes and self.shape:
+            # The whole tensor is its one chunk: its sizes are its shape, the same list
+            # (nothing changes either in place; a copy was one more list a tensor alive
+            # through the save, which Python's collector counts).
             self.chunk_offsets = [0] * len(self.shape)
-            self.chunk_sizes = list(self.shape)
+            self.chunk_sizes = self.shape
 
 
 class PerRank:
