@@ -39,9 +39,9 @@ from ckptd.storage.local import map_populated
 _HUGE = 2 << 20
 _COPY_PIECE = 64 << 20
 # Neighbouring small copies run as one task of at least this many bytes: a task each cost
-# a future (an RLock and a Condition) and a hand-off, about 20 us, so 3,000 small tensors
-# took 60 ms of the stall in tasks alone; 4 MiB copies in ~1 ms, and the threads still
-# finish within a task of each other.
+# a future (an RLock and a Condition) and a hand-off, so 3,000 small tensors spent 15-45
+# ms of a 170 ms stall on tasks; 4 MiB copies in about 1 ms, and the threads still finish
+# within a task of each other (bench/README.md, twenty-seventh pass).
 _COPY_GROUP = 4 << 20
 
 
