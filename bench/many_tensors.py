@@ -1,0 +1,195 @@
+"""Saves of many small tensors: what a tensor costs, Python's collector included, against DCP.
+
+A state of `--tensors` float32 tensors of `--numel` elements each (default 3,000 of 256
+bytes: a rank's share of a large model's many small parameters and optimizer states, with
+next to no bytes, so that what is measured is the work a tensor costs). Each method runs in
+a fresh process (the collector's work depends on everything the process holds), the
+methods interleaved in every repetition:
+
+- ckpt: a kept `ckpt.Checkpointer` (`keep_last=2`, the default verify="full"), `--saves`
+  saves after 3 that warm it, each waited for. Reported: a save's median seconds, its stall
+  (`SaveResult.blocking_s`), the seconds Python's collections ran a save (any thread: a
+  collection holds the GIL, so the training thread waits for it wherever it runs), and the
+  full collections (generation 2) a save.
+- ckpt with `gc.freeze()` after those 3 saves (docs/configuration.md): what the collector
+  costs a training script that froze its setup.
+- DCP: `torch.distributed.checkpoint.save` of the same state to a new directory each
+  time (FileSystemWriter, files fsynced), the last 2 kept, the same count of saves.
+
+The ratio with a target is DCP's save time over ckpt's (>= 1.0: ckpt, which hashes,
+verifies and commits every save, is at least as fast as DCP, which only writes). The
+others are for information: how much of a ckpt save its collections are, and what
+`gc.freeze()` gives.
+
+    .venv/bin/python bench/many_tensors.py [--tensors 3000] [--numel 64] [--saves 20] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+METHODS = ("ckpt", "ckpt, gc.freeze() after 3 saves", "DCP")
+WARM = 3
+
+
+def _state(tensors: int, numel: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return {"model": {f"layer{i}.w": torch.randn(numel, generator=g) for i in range(tensors)}}
+
+
+class _Collections:
+    """The seconds collections ran and the full collections, while registered."""
+
+    def __init__(self) -> None:
+        self.s, self.full, self._t = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+            self.full += info["generation"] == 2
+        else:
+            self.s += time.perf_counter() - self._t
+
+
+def _child(method: str, args: argparse.Namespace, work: str) -> dict[str, float]:
+    """One method's saves in this (fresh) process: medians, and collections a save."""
+    state = _state(args.tensors, args.numel)
+    seconds: list[float] = []
+    stalls: list[float] = []
+    clock = _Collections()
+    if method == "DCP":
+        import torch.distributed.checkpoint as dcp
+
+        for s in range(WARM + args.saves):
+            if s == WARM:
+                gc.callbacks.append(clock)
+            t = time.perf_counter()
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{work}/step{s}", sync_files=True))
+            if s >= WARM:
+                seconds.append(time.perf_counter() - t)
+            shutil.rmtree(f"{work}/step{s - 2}", ignore_errors=True)  # keep the last 2
+        gc.callbacks.remove(clock)
+        stalls = seconds  # DCP's save blocks throughout
+    else:
+        import ckpt
+
+        with ckpt.Checkpointer(f"{work}/job", keep_last=2) as cp:
+            for s in range(WARM):
+                cp.save(state, step=s).wait()
+            if "freeze" in method:
+                gc.collect()
+                gc.freeze()
+            gc.callbacks.append(clock)
+            for s in range(WARM, WARM + args.saves):
+                t = time.perf_counter()
+                result = cp.save(state, step=s).wait()
+                seconds.append(time.perf_counter() - t)
+                stalls.append(result.blocking_s if result is not None else float("nan"))
+            gc.callbacks.remove(clock)
+    return {
+        "save_s": statistics.median(seconds),
+        "stall_s": statistics.median(stalls),
+        "collections_s_a_save": clock.s / len(seconds),
+        "full_collections_a_save": clock.full / len(seconds),
+    }
+
+
+def _run(method: str, args: argparse.Namespace) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
+        cmd = [sys.executable, __file__, "--child", method, "--work", work]
+        cmd += ["--tensors", str(args.tensors), "--numel", str(args.numel)]
+        cmd += ["--saves", str(args.saves)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tensors", type=int, default=3000)
+    ap.add_argument("--numel", type=int, default=64)
+    ap.add_argument("--saves", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--work-dir", default=os.environ.get("TMPDIR"))
+    ap.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(_child(args.child, args, args.work)))
+        return
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _common
+
+    load = _common.loadavg_at_start()
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+    for rep in range(args.reps):
+        for k in range(len(METHODS)):  # each repetition starts one method later
+            method = METHODS[(rep + k) % len(METHODS)]
+            r = _run(method, args)
+            runs[method].append(r)
+            print(
+                f"rep {rep + 1}/{args.reps}  {method:<34} save {r['save_s'] * 1e3:6.0f} ms  "
+                f"stall {r['stall_s'] * 1e3:5.0f} ms  collections {r['collections_s_a_save'] * 1e3:4.0f} "
+                f"ms a save, {r['full_collections_a_save']:.2f} full",
+                flush=True,
+            )
+    fields = ("save_s", "stall_s", "collections_s_a_save", "full_collections_a_save")
+    med = {m: {f: statistics.median(r[f] for r in runs[m]) for f in fields} for m in METHODS}
+    print(
+        f"\n{args.tensors} tensors of {args.numel * 4} bytes, {args.saves} saves a run, medians of {args.reps} runs"
+    )
+    print(
+        f"{'method':<34} {'save ms':>8} {'(min-max)':>12} {'stall ms':>9} {'GC ms':>6} {'full GC':>8}"
+    )
+    for m in METHODS:
+        saves = [r["save_s"] * 1e3 for r in runs[m]]
+        print(
+            f"{m:<34} {med[m]['save_s'] * 1e3:8.0f} {f'{min(saves):.0f}-{max(saves):.0f}':>12} "
+            f"{med[m]['stall_s'] * 1e3:9.0f} {med[m]['collections_s_a_save'] * 1e3:6.0f} "
+            f"{med[m]['full_collections_a_save']:8.2f}"
+        )
+    ckpt_s, dcp_s = med["ckpt"]["save_s"], med["DCP"]["save_s"]
+    frozen_s = med["ckpt, gc.freeze() after 3 saves"]["save_s"]
+    ratios = [
+        ("DCP save time / ckpt save time", dcp_s / ckpt_s, 1.0),
+        (
+            "ckpt: its collections / its save time",
+            med["ckpt"]["collections_s_a_save"] / ckpt_s,
+            None,
+        ),
+        ("ckpt save time / the same with gc.freeze()", ckpt_s / frozen_s, None),
+    ]
+    print("\nratios (of medians; target in brackets)")
+    for name, value, target in ratios:
+        verdict = "info" if target is None else ("PASS" if value >= target else "FAIL")
+        tgt = "" if target is None else f">= {target}"
+        print(f"  {name:<44} {value:6.2f}  [{tgt:>7}] {verdict}")
+    path = _common.write_results(
+        "many_tensors",
+        {
+            "machine": _common.machine_info(Path(args.work_dir or tempfile.gettempdir())),
+            "args": vars(args),
+            "loadavg_start": load,
+            "runs": runs,
+            "medians": med,
+            "ratios": [{"ratio": n, "value": v, "target": t} for n, v, t in ratios],
+        },
+    )
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
