@@ -94,6 +94,21 @@ def test_tied_transposed_views_share_storage_after_a_load_into_empty(job: str) -
     assert out["b"].stride() == (1, 4)
 
 
+def test_a_tensor_under_two_keys_and_its_view_share_storage_again(job: str) -> None:
+    """The same tensor twice is one leaf with two nodes; each node gets the view's place
+    in the storage it shares with a transposed view (the flattener keeps a list of nodes,
+    and of a storage's leaves, only when there is a second)."""
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    ckpt.save({"a": w, "again": w, "b": w.t()}, job, step=1)
+    nodes = dict(read_json(manifest_path(job, 1))["state"]["dict"])
+    assert nodes["again"] == nodes["a"] and "view" in nodes["a"]["tensor"], nodes
+    out = ckpt.load({}, job, step=1).state
+    assert torch.equal(out["again"], w) and torch.equal(out["b"], w.t())
+    assert shares(out["a"], out["again"]) and shares(out["a"], out["b"])
+    out["again"][0, 1] = 100.0
+    assert out["a"][0, 1] == 100.0 and out["b"][1, 0] == 100.0
+
+
 def test_slices_of_one_flat_buffer_share_it_again(job: str) -> None:
     buf = torch.arange(20, dtype=torch.float64)
     ckpt.save({"x": buf[:10], "y": buf[10:], "step": 3}, job, step=1)

@@ -172,9 +172,14 @@ class _Flattener:
         self.leaves: list[Leaf] = []
         self.keys: set[str] = set()
         self.by_storage: dict[tuple[Any, ...], str] = {}
-        # (device, storage pointer) -> the distinct leaves that are views of that storage
-        self.storages: dict[tuple[Any, ...], list[_Placed]] = {}
-        self.nodes: dict[str, list[dict[str, Any]]] = {}  # key -> its tensor nodes
+        # (device, storage pointer) -> the leaf that is a view of that storage, or the
+        # distinct leaves when several are; key -> its tensor node, and its further nodes
+        # when the same tensor is under several keys. A list is made only for a second:
+        # one a tensor, alive through the flatten, is what Python's collector promotes and
+        # walks (bench/README.md, twenty-seventh pass).
+        self.storages: dict[tuple[Any, ...], _Placed | list[_Placed]] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.more_nodes: dict[str, list[dict[str, Any]]] = {}
 
     def unique_key(self, path: list[str]) -> str:
         key = "/".join(path) or "."
@@ -257,7 +262,8 @@ class _Flattener:
         if isinstance(t, torch.nn.Parameter):
             body["parameter"] = True
         node: dict[str, Any] = {"tensor": body if len(body) > 1 else key}
-        self.nodes.setdefault(key, []).append(node)
+        if self.nodes.setdefault(key, node) is not node:
+            self.more_nodes.setdefault(key, []).append(node)
         return node
 
     def tensor(self, t: torch.Tensor, path: list[str], where: str, *, local: bool = False) -> str:
@@ -324,7 +330,11 @@ class _Flattener:
                 else values.view_range(offset, list(shape), list(stride))
             )
             placed = _Placed(key, first * item, end * item, numel * item, offset, item, stride)
-            self.storages.setdefault(storage, []).append(placed)
+            held = self.storages.setdefault(storage, placed)
+            if isinstance(held, list):
+                held.append(placed)
+            elif held is not placed:
+                self.storages[storage] = [held, placed]
         if on_device:
             # The stager copies it device-to-host into pinned memory; no host copy here.
             # conj/neg bits are resolved on the device first: a non_blocking D2H copy_ of
@@ -376,8 +386,8 @@ class _Flattener:
     def record_views(self) -> None:
         """Give each tensor that shares its storage with another leaf its place in it."""
         for group in self.storages.values():
-            if len(group) < 2:
-                continue
+            if not isinstance(group, list):
+                continue  # one leaf in its storage
             start = min(p.first for p in group) // _VIEW_ALIGN * _VIEW_ALIGN
             span = max(p.end for p in group) - start
             if span > values.VIEW_SPAN_FACTOR * sum(p.nbytes for p in group):
@@ -389,7 +399,8 @@ class _Flattener:
                     "offset": p.offset - start // p.itemsize,
                     "stride": list(p.stride),
                 }
-                for node in self.nodes.get(p.key, ()):
+                first = self.nodes.get(p.key)
+                for node in [first, *self.more_nodes.get(p.key, ())] if first else ():
                     body = node["tensor"]
                     if isinstance(body, str):
                         node["tensor"] = {"key": body, "view": view}
