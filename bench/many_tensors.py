@@ -163,20 +163,24 @@ def main() -> None:
         )
     ckpt_s, dcp_s = med["ckpt"]["save_s"], med["DCP"]["save_s"]
     frozen_s = med["ckpt, gc.freeze() after 3 saves"]["save_s"]
-    ratios = [
-        ("DCP save time / ckpt save time", dcp_s / ckpt_s, 1.0),
-        (
-            "ckpt: its collections / its save time",
-            med["ckpt"]["collections_s_a_save"] / ckpt_s,
-            None,
-        ),
-        ("ckpt save time / the same with gc.freeze()", ckpt_s / frozen_s, None),
-    ]
+    # (name, numerator s, denominator s, target): the verdicts are _common's, as in every
+    # bench (a ratio of the medians; >= target passes).
+    ratios = _common.ratio_verdicts(
+        [
+            ("DCP save time / ckpt save time", dcp_s, ckpt_s, 1.0),
+            (
+                "ckpt: its collections / its save time",
+                med["ckpt"]["collections_s_a_save"],
+                ckpt_s,
+                None,
+            ),
+            ("ckpt save time / the same with gc.freeze()", ckpt_s, frozen_s, None),
+        ]
+    )
     print("\nratios (of medians; target in brackets)")
-    for name, value, target in ratios:
-        verdict = "info" if target is None else ("PASS" if value >= target else "FAIL")
-        tgt = "" if target is None else f">= {target}"
-        print(f"  {name:<44} {value:6.2f}  [{tgt:>7}] {verdict}")
+    for r in ratios:
+        tgt = "" if r["target"] is None else f">= {r['target']}"
+        print(f"  {r['ratio']:<44} {r['value']:6.2f}  [{tgt:>7}] {r['verdict']}")
     path = _common.write_results(
         "many_tensors",
         {
@@ -185,7 +189,7 @@ def main() -> None:
             "loadavg_start": load,
             "runs": runs,
             "medians": med,
-            "ratios": [{"ratio": n, "value": v, "target": t} for n, v, t in ratios],
+            "ratios": [{k: r[k] for k in ("ratio", "value", "target", "verdict")} for r in ratios],
         },
     )
     print(f"results: {path}")
