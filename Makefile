@@ -8,14 +8,18 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ckptd-installed
 PYTEST_ARGS ?=
+# The versions the tests last passed with (scripts/freeze_constraints.py writes it); empty
+# resolves everything afresh: make venv CONSTRAINTS=
+CONSTRAINTS ?= .ci/constraints.txt
+PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
 .PHONY: venv demo test test-all lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e ".[dev,bench,integrations]"
+	$(PY) -m pip install --quiet $(PIP_C) $(TORCH_SPEC)
+	$(PY) -m pip install --quiet $(PIP_C) -e ".[dev,bench,integrations]"
 	touch $(STAMP)
 
 venv: $(STAMP)
