@@ -100,6 +100,27 @@ def test_picks_the_newest_whole_step_among_broken_ones_and_says_why(
     assert (job / "notes").is_dir()  # nothing outside the steps was touched
 
 
+def test_a_step_older_than_the_one_loaded_is_not_reported_as_passed_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Retention un-publishes a step (manifest first) before it removes the files: a resume
+    in that moment must not warn that an old step "never committed"; it never came to it.
+    Only the newer step it did pass over is logged."""
+    job = tmp_path / "job"
+    save_steps(job, 100, 200, 300)
+    os.remove(job / "step-000000000100" / "MANIFEST.json")  # retention half-way through
+    os.remove(job / "step-000000000300" / "MANIFEST.json")  # an interrupted save
+    st = fresh()
+    with caplog.at_level(logging.INFO, logger="ckpt"):
+        with ckpt.Checkpointer(job) as cp:
+            assert cp.resume(st) == 200
+    assert same(st, state_at(200))
+    log = messages(caplog)
+    assert "skipping step 300: incomplete: no MANIFEST.json" in log
+    assert "or a step that retention is removing" in log
+    assert "step 100" not in log, log
+
+
 def test_only_unfinished_saves_is_a_new_job(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -55,6 +55,13 @@ from ckptd.storage.base import OpenDirs, Storage
 
 COMMITTED = "COMMITTED"
 INCOMPLETE = "INCOMPLETE"  # a step directory without a manifest: an unfinished save
+# An INCOMPLETE step's reason. Retention un-publishes a step (its manifest first, so that a
+# crash leaves debris, never a half checkpoint) before removing its files: for that moment
+# a step being retired looks like a save that never committed.
+NO_MANIFEST = (
+    "no MANIFEST.json: a save that never committed (aborted, or a rank died mid-write), "
+    "or a step that retention is removing"
+)
 INVALID = "INVALID"  # a manifest that does not parse, or a step that is a symlink
 QUARANTINED = "QUARANTINED"  # committed, but failed verification at load time: skipped
 QUARANTINE_NAME = "QUARANTINED.json"
@@ -200,9 +207,7 @@ def list_steps(storage: Storage, *, manifests: bool = True) -> list[StepInfo]:
             out.append(StepInfo(step, INVALID, error=str(e)))
             continue
         if not present:
-            out.append(
-                StepInfo(step, INCOMPLETE, error="no MANIFEST.json (the save never committed)")
-            )
+            out.append(StepInfo(step, INCOMPLETE, error=NO_MANIFEST))
             continue
         m: Manifest | None = None
         try:

@@ -7,9 +7,11 @@ shard, a bad index) is quarantined and the previous one is tried, every rank agr
 the step (with require_finite, a step whose saved stats count NaN or Inf is passed over
 the same way, not quarantined). What resume adds is the policy around it:
 
-- every step it passes over is logged with the reason: a step directory without a
-  manifest (a save that never committed: aborted, or a rank killed mid-write), a manifest
-  that does not parse, a step quarantined earlier;
+- every step it passes over (newer than the one it loads) is logged with the reason: a
+  step directory without a manifest (a save that never committed: aborted, or a rank
+  killed mid-write), a manifest that does not parse, a step quarantined earlier. Older
+  ones are not: resume never came to them, and one may be a step that retention is
+  removing this moment (its manifest goes first);
 - None only when the job has no checkpoint at all: nothing ever committed (no step
   directory, or only saves that never committed);
 - when checkpoints were committed but none loads, an error, never a silent fresh start
@@ -47,18 +49,10 @@ def resume(
     steps = tier_steps(tiers)
     lead = rank == 0  # one rank tells what storage holds; every rank tells its own failures
     skipped = [s for s in reversed(steps) if s.status != ckfmt.COMMITTED]
-    for s in skipped:
-        if lead:
-            log.warning(
-                "resume %s: skipping step %d: %s: %s",
-                path,
-                s.step,
-                s.status.lower(),
-                s.error or "no reason recorded",
-            )
     # A step directory without a manifest never was a checkpoint; any other status means
     # one was committed (and may have been damaged or marked bad since).
     if all(s.status == ckfmt.INCOMPLETE for s in steps):
+        _log_skipped(path, skipped, lead)
         if lead and steps:
             log.warning(
                 "resume %s: nothing was ever committed (%d unfinished save(s)); starting fresh",
@@ -83,6 +77,7 @@ def resume(
             log.error("%s; starting fresh as allowed", message)
             return None
         raise CheckpointNotFound(message) from e
+    _log_skipped(path, [s for s in skipped if s.step > res.step], lead)
     if lead and res.unhealthy:
         # Loud: training goes on from an older step than the newest it saved.
         log.warning(
@@ -108,3 +103,16 @@ def resume(
             else "",
         )
     return res.step
+
+
+def _log_skipped(path: str, skipped: Sequence[ckfmt.StepInfo], lead: bool) -> None:
+    if not lead:
+        return
+    for s in skipped:
+        log.warning(
+            "resume %s: skipping step %d: %s: %s",
+            path,
+            s.step,
+            s.status.lower(),
+            s.error or "no reason recorded",
+        )
