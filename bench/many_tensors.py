@@ -16,12 +16,18 @@ methods interleaved in every repetition:
 - DCP: `torch.distributed.checkpoint.save` of the same state to a new directory each
   time (FileSystemWriter, files fsynced), the last 2 kept, the same count of saves.
 
-The ratio with a target is DCP's save time over ckpt's (>= 1.0: ckpt, which hashes,
-verifies and commits every save, is at least as fast as DCP, which only writes). The
-others are for information: how much of a ckpt save its collections are, and what
-`gc.freeze()` gives.
+Then, in the ckpt and DCP processes, `--loads` loads of the last step into a fresh state
+of the same shapes (what a restarted job does; the files are as warm for both): ckpt's
+`ckpt.load` (every block verified) and `Checkpointer.resume`, DCP's `dcp.load`.
 
-    .venv/bin/python bench/many_tensors.py [--tensors 3000] [--numel 64] [--saves 20] [--reps 3]
+The ratios with a target are DCP's save time over ckpt's and DCP's load time over ckpt's
+load and resume times (each >= 1.0: ckpt, which hashes, verifies and commits every save
+and checks every block it loads, is at least as fast as DCP, which only writes and
+reads). The others are for information: how much of a ckpt save its collections are,
+and what `gc.freeze()` gives.
+
+    .venv/bin/python bench/many_tensors.py [--tensors 3000] [--numel 64] [--saves 20]
+        [--loads 7] [--reps 3]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import shutil
 import statistics
@@ -41,6 +48,7 @@ from typing import Any
 
 METHODS = ("ckpt", "ckpt, gc.freeze() after 3 saves", "DCP")
 WARM = 3
+LOAD_FIELDS = ("load_s", "resume_s")  # NaN where a method does not measure one
 
 
 def _state(tensors: int, numel: int) -> dict[str, Any]:
@@ -48,6 +56,21 @@ def _state(tensors: int, numel: int) -> dict[str, Any]:
 
     g = torch.Generator().manual_seed(0)
     return {"model": {f"layer{i}.w": torch.randn(numel, generator=g) for i in range(tensors)}}
+
+
+def _timed_loads(state: dict[str, Any], n: int, load: Any) -> list[float]:
+    """`n` timings of load(dest) into a fresh state shaped like `state`, each checked."""
+    import torch
+
+    seconds = []
+    for _ in range(n):
+        dest = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
+        t = time.perf_counter()
+        load(dest)
+        seconds.append(time.perf_counter() - t)
+        if not all(torch.equal(dest["model"][k], v) for k, v in state["model"].items()):
+            raise AssertionError("a load gave back different tensors than were saved")
+    return seconds
 
 
 class _Collections:
@@ -69,6 +92,7 @@ def _child(method: str, args: argparse.Namespace, work: str) -> dict[str, float]
     state = _state(args.tensors, args.numel)
     seconds: list[float] = []
     stalls: list[float] = []
+    loads: dict[str, list[float]] = {}
     clock = _Collections()
     if method == "DCP":
         import torch.distributed.checkpoint as dcp
@@ -83,6 +107,10 @@ def _child(method: str, args: argparse.Namespace, work: str) -> dict[str, float]
             shutil.rmtree(f"{work}/step{s - 2}", ignore_errors=True)  # keep the last 2
         gc.callbacks.remove(clock)
         stalls = seconds  # DCP's save blocks throughout
+        last = f"{work}/step{WARM + args.saves - 1}"
+        loads["load_s"] = _timed_loads(
+            state, args.loads, lambda d: dcp.load(d, storage_reader=dcp.FileSystemReader(last))
+        )
     else:
         import ckpt
 
@@ -99,19 +127,37 @@ def _child(method: str, args: argparse.Namespace, work: str) -> dict[str, float]
                 seconds.append(time.perf_counter() - t)
                 stalls.append(result.blocking_s if result is not None else float("nan"))
             gc.callbacks.remove(clock)
+            if "freeze" not in method:
+                last = WARM + args.saves - 1
+                loads["load_s"] = _timed_loads(
+                    state, args.loads, lambda d: ckpt.load(d, f"{work}/job", step=last)
+                )
+                loads["resume_s"] = _timed_loads(state, args.loads, cp.resume)
+    nan = float("nan")
     return {
         "save_s": statistics.median(seconds),
         "stall_s": statistics.median(stalls),
         "collections_s_a_save": clock.s / len(seconds),
         "full_collections_a_save": clock.full / len(seconds),
+        **{f: statistics.median(loads[f]) if f in loads else nan for f in LOAD_FIELDS},
     }
+
+
+def _ms(s: float) -> str:
+    return "-" if math.isnan(s) else f"{s * 1e3:.0f}"
+
+
+def _spread(seconds: list[float]) -> str:
+    if any(math.isnan(s) for s in seconds):
+        return "-"
+    return f"{min(seconds) * 1e3:.0f}-{max(seconds) * 1e3:.0f}"
 
 
 def _run(method: str, args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
         cmd = [sys.executable, __file__, "--child", method, "--work", work]
         cmd += ["--tensors", str(args.tensors), "--numel", str(args.numel)]
-        cmd += ["--saves", str(args.saves)]
+        cmd += ["--saves", str(args.saves), "--loads", str(args.loads)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -121,6 +167,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=3000)
     ap.add_argument("--numel", type=int, default=64)
     ap.add_argument("--saves", type=int, default=20)
+    ap.add_argument("--loads", type=int, default=7)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--work-dir", default=os.environ.get("TMPDIR"))
     ap.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
@@ -143,23 +190,28 @@ def main() -> None:
             print(
                 f"rep {rep + 1}/{args.reps}  {method:<34} save {r['save_s'] * 1e3:6.0f} ms  "
                 f"stall {r['stall_s'] * 1e3:5.0f} ms  collections {r['collections_s_a_save'] * 1e3:4.0f} "
-                f"ms a save, {r['full_collections_a_save']:.2f} full",
+                f"ms a save, {r['full_collections_a_save']:.2f} full  "
+                f"load {_ms(r['load_s'])} ms  resume {_ms(r['resume_s'])} ms",
                 flush=True,
             )
     fields = ("save_s", "stall_s", "collections_s_a_save", "full_collections_a_save")
+    fields += LOAD_FIELDS
     med = {m: {f: statistics.median(r[f] for r in runs[m]) for f in fields} for m in METHODS}
     print(
-        f"\n{args.tensors} tensors of {args.numel * 4} bytes, {args.saves} saves a run, medians of {args.reps} runs"
+        f"\n{args.tensors} tensors of {args.numel * 4} bytes, {args.saves} saves and "
+        f"{args.loads} loads a run, medians of {args.reps} runs"
     )
     print(
         f"{'method':<34} {'save ms':>8} {'(min-max)':>12} {'stall ms':>9} {'GC ms':>6} {'full GC':>8}"
+        f" {'load ms':>8} {'(min-max)':>12} {'resume ms':>10}"
     )
     for m in METHODS:
         saves = [r["save_s"] * 1e3 for r in runs[m]]
         print(
             f"{m:<34} {med[m]['save_s'] * 1e3:8.0f} {f'{min(saves):.0f}-{max(saves):.0f}':>12} "
             f"{med[m]['stall_s'] * 1e3:9.0f} {med[m]['collections_s_a_save'] * 1e3:6.0f} "
-            f"{med[m]['full_collections_a_save']:8.2f}"
+            f"{med[m]['full_collections_a_save']:8.2f} {_ms(med[m]['load_s']):>8} "
+            f"{_spread([r['load_s'] for r in runs[m]]):>12} {_ms(med[m]['resume_s']):>10}"
         )
     ckpt_s, dcp_s = med["ckpt"]["save_s"], med["DCP"]["save_s"]
     frozen_s = med["ckpt, gc.freeze() after 3 saves"]["save_s"]
@@ -168,6 +220,13 @@ def main() -> None:
     ratios = _common.ratio_verdicts(
         [
             ("DCP save time / ckpt save time", dcp_s, ckpt_s, 1.0),
+            ("DCP load time / ckpt.load time", med["DCP"]["load_s"], med["ckpt"]["load_s"], 1.0),
+            (
+                "DCP load time / Checkpointer.resume time",
+                med["DCP"]["load_s"],
+                med["ckpt"]["resume_s"],
+                1.0,
+            ),
             (
                 "ckpt: its collections / its save time",
                 med["ckpt"]["collections_s_a_save"],
