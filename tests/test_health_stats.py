@@ -165,16 +165,23 @@ def test_a_saves_block_stats_stay_out_of_the_collectors_sight() -> None:
     thousands of them into the oldest generation (docs/configuration.md)."""
     data = torch.randn(3 << 18).view(torch.uint8).numpy()  # 3 MiB of float32: 3 blocks
     item = WriteItem("x", "float32", [3 << 18], [0], [3 << 18], data)
-    hasher = writer._Hasher([item], 1 << 20)
+    ints = torch.arange(1 << 18).view(torch.uint8).numpy()  # int64: no stats
+    other = WriteItem("i", "int64", [1 << 18], [0], [1 << 18], ints)
+    small = torch.randn(5)
+    last = WriteItem("y", "float32", [5], [0], [5], small.view(torch.uint8).numpy())
+    hasher = writer._Hasher([item, other, last], 1 << 20)
     hasher.run_all(8 << 20)
-    parts = hasher.parts[0]
-    assert parts is not None and len(parts) == 3
+    # Every item's blocks in one list, each item's from its first (-1: none of its own).
+    assert hasher.first == [0, -1, 3] and len(hasher.parts) == 4
     gc.collect()
-    assert not any(gc.is_tracked(p) for p in parts)
-    assert item.stats == tensorstats.combine(parts)
+    assert not any(gc.is_tracked(p) for p in hasher.parts)
+    assert item.stats == tensorstats.combine(hasher.parts[:3])
     assert item.stats.sumsq == pytest.approx(
         float((data.view(np.float32).astype(np.float64) ** 2).sum()), rel=1e-5
     )
+    assert other.stats is None
+    assert last.stats is not None
+    assert last.stats.sumsq == pytest.approx(float((small.double() ** 2).sum()), rel=1e-5)
 
 
 def test_block_stats_agree_with_torch_on_random_bits() -> None:

@@ -605,11 +605,16 @@ class _Hasher:
         # Each block's stats as a plain tuple: the collector stops tracking a tuple of
         # numbers, so the thousands a save keeps until it settles are never moved into its
         # oldest generation, whose full collections a loop of saves pays for (as
-        # TensorStats objects they were a fifth of what a save moved there).
-        self.parts: list[list[tuple[int, int, float, float]] | None] = [
-            [(0, 0, 0.0, 0.0)] * len(h) if on and tensorstats.covered(it.dtype) else None
-            for it, h in zip(items, self.hashes, strict=True)
-        ]
+        # TensorStats objects they were a fifth of what a save moved there). All items'
+        # blocks in one list, item i's from first[i] (-1: no stats), not a list an item.
+        self.parts: list[tuple[int, int, float, float]] = []
+        self.first: list[int] = []
+        for it, h in zip(items, self.hashes, strict=True):
+            if on and tensorstats.covered(it.dtype):
+                self.first.append(len(self.parts))
+                self.parts += [(0, 0, 0.0, 0.0)] * len(h)
+            else:
+                self.first.append(-1)
 
     def run(self, group: list[tuple[int, int]]) -> None:
         block = self.block
@@ -622,12 +627,12 @@ class _Hasher:
         memory: its stats go first, since their plain passes stream the block into cache
         at the memory's pace, and blake3 then reads it from there (about 15% less CPU a
         float32 MiB, 5% a bfloat16 one, on 2 cores: bench/README.md, twenty-fifth pass)."""
-        parts, dtype = self.parts[i], self.items[i].dtype
-        if parts is not None and not copied:
-            parts[b] = tensorstats.block_stats(data, dtype).plain()
+        first, dtype = self.first[i], self.items[i].dtype
+        if first >= 0 and not copied:
+            self.parts[first + b] = tensorstats.block_stats(data, dtype).plain()
         self.hashes[i][b] = hashing.digest(data)
-        if parts is not None and copied:
-            parts[b] = tensorstats.block_stats(data, dtype).plain()
+        if first >= 0 and copied:
+            self.parts[first + b] = tensorstats.block_stats(data, dtype).plain()
 
     def run_all(
         self, target: int, task: Callable[[list[tuple[int, int]]], None] | None = None
@@ -646,9 +651,9 @@ class _Hasher:
         self.settle()
 
     def settle(self) -> None:
-        for it, parts in zip(self.items, self.parts, strict=True):
-            if parts is not None:
-                it.stats = tensorstats.combine(parts)
+        for it, first, h in zip(self.items, self.first, self.hashes, strict=True):
+            if first >= 0:
+                it.stats = tensorstats.combine(self.parts[first : first + len(h)])
 
 
 def _write_window(

@@ -181,16 +181,17 @@ class SaveJob:
         self._assign(list(range(n)))  # one rank, nothing borrowed: the image's layout
         self._ahead_t0 = time.perf_counter()
         self.writer = self._open(ahead=True)
-        digests: list[list[str]] = [[] for _ in range(n)]
+        # The staged entries, then the rest: in order, so the digests are the writes' own
+        # lists one after another (no placeholder list a tensor, which Python's collector
+        # would count through the save).
+        digests: list[list[str]] = []
         staged = list(range(self.n_staged))
         over = list(range(self.n_staged, n))
         for which, image in ((staged, True), (over, False)):
             if which:
                 # Back with the hashes while the last writes are still in flight: the plan
                 # is made meanwhile, and keep_ahead waits for them.
-                hashes = self._write(which, image, None, wait=False)
-                for k, h in zip(which, hashes, strict=True):
-                    digests[k] = h
+                digests += self._write(which, image, None, wait=False)
         self.ahead = True
         return digests
 
@@ -339,6 +340,8 @@ class SaveJob:
 
     def _unit_digests(self, unit: tuple[int, int, int], digests: list[list[str]]) -> list[str]:
         i, start, end = unit
+        if start == 0 and end == self.items[i].data.nbytes:
+            return digests[i]  # the whole entry: its list, not a copy (nothing changes it)
         block = knobs.get().block_size
         return digests[i][start // block : -(-end // block)]
 
