@@ -38,6 +38,22 @@ def rank_tree(rank: int, *, step: Any = 7) -> dict[str, Any]:
     }
 
 
+def test_a_subtree_without_per_rank_nodes_is_shared_not_copied() -> None:
+    """Splitting and joining rebuild only the path to a per-rank node: a state without one
+    comes back as the same object (a copy was a list a dict entry alive through every
+    save), and the round trip gives the tree it started from."""
+    plain = {"dict": [["model", {"dict": [["w", {"tensor": "model/w"}]]}], ["step", 7]]}
+    shared, slots = values.split_per_rank(plain)
+    assert shared is plain and slots == []
+    assert values.join_per_rank(shared, [[]]) is plain
+    tree = rank_tree(3)
+    shared, slots = values.split_per_rank(tree)
+    model = tree["dict"][0][1]
+    assert shared["dict"][0][1] is model  # the model's subtree has no per-rank node
+    assert shared["dict"][1][1] == {"per_rank": []} and len(slots) == 2
+    assert values.join_per_rank(shared, [slots]) == tree
+
+
 def test_split_then_join_gives_the_tree_back() -> None:
     tree = rank_tree(3)
     shared, mine = values.split_per_rank(tree)

@@ -360,16 +360,25 @@ def decode(node: Any, tensor: Callable[[str, str], Any]) -> Any:
 
 def _map_per_rank(node: Any, visit: Callable[[Any], Any]) -> Any:
     """The tree rebuilt with each outermost per-rank node replaced by visit(its body), in
-    walk order."""
+    walk order. A subtree without one is the same object, not a copy: most states have
+    none, and a copy was a list a dict entry alive through the save (Python's collector
+    counts them)."""
     if not isinstance(node, dict) or len(node) != 1:
         return node
     ((tag, body),) = node.items()
     if tag in ("list", "tuple"):
-        return {tag: [_map_per_rank(c, visit) for c in body]}
+        kids = [_map_per_rank(c, visit) for c in body]
+        if all(m is c for m, c in zip(kids, body, strict=True)):
+            return node
+        return {tag: kids}
     if tag == "dict":
-        return {"dict": [[k, _map_per_rank(v, visit)] for k, v in body]}
+        kids = [_map_per_rank(v, visit) for _, v in body]
+        if all(m is v for m, (_, v) in zip(kids, body, strict=True)):
+            return node
+        return {"dict": [[k, m] for (k, _), m in zip(body, kids, strict=True)]}
     if tag == "stateful":
-        return {"stateful": _map_per_rank(body, visit)}
+        kid = _map_per_rank(body, visit)
+        return node if kid is body else {"stateful": kid}
     if tag == "per_rank":
         return visit(body)
     return node
