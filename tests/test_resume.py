@@ -52,6 +52,18 @@ def messages(caplog: pytest.LogCaptureFixture) -> str:
     return "\n".join(r.getMessage() for r in caplog.records)
 
 
+def resume_logged(
+    job: Path, caplog: pytest.LogCaptureFixture
+) -> tuple[int | None, dict[str, Any], str]:
+    """A fresh state resumed from `job`, ckpt's log captured: (the step, the state, the log)."""
+    caplog.clear()
+    st = fresh()
+    with caplog.at_level(logging.INFO, logger="ckpt"):
+        with ckpt.Checkpointer(job) as cp:
+            step = cp.resume(st)
+    return step, st, messages(caplog)
+
+
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["step"] == b["step"] and all(
         torch.equal(a["model"][k], b["model"][k]) for k in ("w", "b")
@@ -78,12 +90,8 @@ def test_picks_the_newest_whole_step_among_broken_ones_and_says_why(
     (tmp_manifest / "shards").mkdir(parents=True)
     (tmp_manifest / "MANIFEST.json.tmp.1234.5678").write_text('{"format": 1, "job": ')
 
-    st = fresh()
-    with caplog.at_level(logging.INFO, logger="ckpt"):
-        with ckpt.Checkpointer(job) as cp:
-            assert cp.resume(st) == 100
-    assert same(st, state_at(100))
-    log = messages(caplog)
+    step, st, log = resume_logged(job, caplog)
+    assert step == 100 and same(st, state_at(100))
     assert "skipping step 400: incomplete: no MANIFEST.json" in log
     assert "skipping step 200: incomplete: no MANIFEST.json" in log
     assert "STEP 300" in log and "FAILED VERIFICATION" in log and "key 'model/w'" in log
@@ -91,12 +99,8 @@ def test_picks_the_newest_whole_step_among_broken_ones_and_says_why(
     assert "notes" not in log and "300-old" not in log
     # The damaged step is marked, so the next resume passes over it at once, saying why.
     assert (job / "step-000000000300" / ckfmt.QUARANTINE_NAME).exists()
-    caplog.clear()
-    st = fresh()
-    with caplog.at_level(logging.INFO, logger="ckpt"):
-        with ckpt.Checkpointer(job) as cp:
-            assert cp.resume(st) == 100
-    assert "skipping step 300: quarantined: " in messages(caplog)
+    step, _, log = resume_logged(job, caplog)
+    assert step == 100 and "skipping step 300: quarantined: " in log
     assert (job / "notes").is_dir()  # nothing outside the steps was touched
 
 
@@ -110,12 +114,8 @@ def test_a_step_older_than_the_one_loaded_is_not_reported_as_passed_over(
     save_steps(job, 100, 200, 300)
     os.remove(job / "step-000000000100" / "MANIFEST.json")  # retention half-way through
     os.remove(job / "step-000000000300" / "MANIFEST.json")  # an interrupted save
-    st = fresh()
-    with caplog.at_level(logging.INFO, logger="ckpt"):
-        with ckpt.Checkpointer(job) as cp:
-            assert cp.resume(st) == 200
-    assert same(st, state_at(200))
-    log = messages(caplog)
+    step, st, log = resume_logged(job, caplog)
+    assert step == 200 and same(st, state_at(200))
     assert "skipping step 300: incomplete: no MANIFEST.json" in log
     assert "or a step that retention is removing" in log
     assert "step 100" not in log, log
@@ -127,11 +127,8 @@ def test_only_unfinished_saves_is_a_new_job(
     job = tmp_path / "job"
     save_steps(job, 10)
     os.remove(job / "step-000000000010" / "MANIFEST.json")
-    st = fresh()
-    with caplog.at_level(logging.INFO, logger="ckpt"):
-        with ckpt.Checkpointer(job) as cp:
-            assert cp.resume(st) is None
-    log = messages(caplog)
+    step, _, log = resume_logged(job, caplog)
+    assert step is None
     assert "skipping step 10: incomplete" in log and "nothing was ever committed" in log
 
 
