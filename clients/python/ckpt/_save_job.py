@@ -331,17 +331,22 @@ class SaveJob:
             )
         return self.units
 
+    def _whole(self, unit: tuple[int, int, int]) -> bool:
+        """Whether the unit is its entry's every byte (not a run of changed blocks)."""
+        i, start, end = unit
+        return start == 0 and end == self.items[i].data.nbytes
+
     def _unit_item(self, unit: tuple[int, int, int]) -> WriteItem:
         i, start, end = unit
         it = self.items[i]
-        if start == 0 and end == it.data.nbytes:
+        if self._whole(unit):
             return it
         return dataclasses.replace(it, data=it.data[start:end], stats=None)
 
     def _unit_digests(self, unit: tuple[int, int, int], digests: list[list[str]]) -> list[str]:
         i, start, end = unit
-        if start == 0 and end == self.items[i].data.nbytes:
-            return digests[i]  # the whole entry: its list, not a copy (nothing changes it)
+        if self._whole(unit):
+            return digests[i]  # its list, not a copy (nothing changes it in place)
         block = knobs.get().block_size
         return digests[i][start // block : -(-end // block)]
 
