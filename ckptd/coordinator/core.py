@@ -120,6 +120,7 @@ class Coordinator(Recovery, Queries, Reports, Nodes, MemoryCommits):
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._open_lock = asyncio.Lock()
+        self._dirs_locks: dict[str, asyncio.Lock] = {}  # _step_dirs_lock
         # Hot-path caches: every RPC names its job and is checked against its generation.
         self._names: dict[str, str] = {}
         self._generations: dict[str, int | None] = {}
@@ -325,36 +326,8 @@ class Coordinator(Recovery, Queries, Reports, Nodes, MemoryCommits):
             )
         await self._advance_generation(job, ref.generation)
         s = self.sessions.get((job, ref.step))
-        if s is not None and s.generation < ref.generation:
-            await self._abort(s, f"superseded by generation {ref.generation}")
-            s = None
-        if s is None:
-            rec = self.catalog.save(job, ref.step)
-            if rec is not None and rec.status == COMMITTED:
-                raise CheckpointExists(
-                    f"job {job!r} step {ref.step} ({layout.step_dir(ref.step)}) is already "
-                    "committed; save under a new step"
-                )
-            # The save this generation ended: ended here (its abort may not be in the
-            # catalog yet: a sibling rank of a node batch arrives meanwhile), or before.
-            ended = self.finished.get((job, ref.step, ref.generation))
-            gone = ended if ended is not None and ended.status == ABORTED else None
-            if gone or (rec and rec.generation == ref.generation and rec.status == ABORTED):
-                raise (gone.abort_kind if gone else SaveAborted)(
-                    f"job {job!r} step {ref.step}: the save was aborted "
-                    f"({gone.reason if gone else rec.reason if rec else ''})"
-                )
-            if self.storage(job).exists(f"{layout.step_dir(ref.step)}/{layout.MANIFEST_NAME}"):
-                raise CheckpointExists(
-                    f"job {job!r} step {ref.step} ({layout.step_dir(ref.step)}) is already "
-                    "committed in storage; save under a new step"
-                )
-            s = Session(job, ref.step, ref.generation, ref.world_size, keep_last, parent)
-            s.barrier_deadline = time.monotonic() + (timeout_s or self.barrier_timeout_s)
-            self.sessions[(job, ref.step)] = s
-            await self.catalog.record_begin(
-                job, ref.step, ref.generation, ref.world_size, keep_last, parent
-            )
+        if s is None or s.generation < ref.generation:
+            await self._open_session(ref, job, keep_last, parent, timeout_s)
         s = self._session(ref, job)
         if s.status == ABORTED:
             raise s.abort_kind(f"job {job!r} step {ref.step}: the save was aborted ({s.reason})")
@@ -414,6 +387,64 @@ class Coordinator(Recovery, Queries, Reports, Nodes, MemoryCommits):
         ):
             await self._plan(s)
         return s
+
+    async def _open_session(
+        self,
+        ref: SaveRef,
+        job: str,
+        keep_last: int,
+        parent: int | None,
+        timeout_s: float | None,
+    ) -> None:
+        """Open the save `ref` names, once: the first rank to join opens it (ending an older
+        generation's), after checking that the step may be saved (retention.make_way: a
+        quarantined copy gives way)."""
+        async with self._step_dirs_lock(job):
+            s = self.sessions.get((job, ref.step))
+            if s is not None and s.generation < ref.generation:
+                await self._abort(s, f"superseded by generation {ref.generation}")
+            elif s is not None:
+                return  # another rank opened it while this one waited
+            rec = self.catalog.save(job, ref.step)
+            # The save this generation ended: ended here (its abort may not be in the
+            # catalog yet: a sibling rank of a node batch arrives meanwhile), or before.
+            ended = self.finished.get((job, ref.step, ref.generation))
+            gone = ended if ended is not None and ended.status == ABORTED else None
+            if gone or (rec and rec.generation == ref.generation and rec.status == ABORTED):
+                raise (gone.abort_kind if gone else SaveAborted)(
+                    f"job {job!r} step {ref.step}: the save was aborted "
+                    f"({gone.reason if gone else rec.reason if rec else ''})"
+                )
+            st = self.storage(job)
+            where = f"job {job!r} step {ref.step} ({layout.step_dir(ref.step)})"
+            # Storage decides whether the step holds a checkpoint (promise 6), read under
+            # the lock: no retention is removing a step of this job meanwhile.
+            if st.exists(f"{layout.step_dir(ref.step)}/{layout.MANIFEST_NAME}"):
+                # No rank has written a file under its final name yet (a lone rank's shard
+                # written ahead has a private name): nothing of this save is spared.
+                await asyncio.to_thread(retention.make_way, st, ref.step, where=where)
+            elif rec is not None and rec.status == COMMITTED:
+                log.warning(
+                    "%s: the catalog says committed, but storage holds no manifest of it "
+                    "(removed outside the coordinator: ckptctl gc, or by hand); a new save "
+                    "of the step begins",
+                    where,
+                )
+            s = Session(job, ref.step, ref.generation, ref.world_size, keep_last, parent)
+            s.barrier_deadline = time.monotonic() + (timeout_s or self.barrier_timeout_s)
+            self.sessions[(job, ref.step)] = s
+            await self.catalog.record_begin(
+                job, ref.step, ref.generation, ref.world_size, keep_last, parent
+            )
+
+    def _step_dirs_lock(self, job: str) -> asyncio.Lock:
+        """One job's step directories change under it one way at a time: a save opening (it
+        may remove a quarantined step: make_way) and retention's removal of a step. Else
+        a step removed by retention could take a new save's files of that step with it."""
+        lock = self._dirs_locks.get(job)
+        if lock is None:
+            lock = self._dirs_locks[job] = asyncio.Lock()
+        return lock
 
     async def planned_answer(self, s: Session | None, ref: SaveRef) -> BeginResult:
         """A joined rank's answer, once the save's plan is made (the barrier); for a rank
@@ -689,5 +720,10 @@ class Coordinator(Recovery, Queries, Reports, Nodes, MemoryCommits):
         steps = await asyncio.to_thread(retention.with_borrows, st, steps, known)
         plan = retention.plan(steps, keep_last, keep=(committed,))
         await retention.carry_out(
-            self.catalog, st, job, plan, began=lambda step: (job, step) in self.sessions
+            self.catalog,
+            st,
+            job,
+            plan,
+            began=lambda step: (job, step) in self.sessions,
+            lock=self._step_dirs_lock(job),
         )

@@ -32,7 +32,7 @@ from ckptd.coordinator.types import COMMITTED as SAVE_COMMITTED
 from ckptd.coordinator.types import COMMITTING as SAVE_COMMITTING
 from ckptd.coordinator.types import OPEN as SAVE_OPEN
 from ckptd.coordinator.types import QUARANTINED as SAVE_QUARANTINED
-from ckptd.errors import CkptError
+from ckptd.errors import CheckpointExists, CkptError
 from ckptd.faults import crash_point
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import layout, recycle
@@ -145,6 +145,57 @@ def keep_borrowed(steps: Iterable[StepState], removing: Collection[int]) -> set[
     return held
 
 
+def make_way(storage: Storage, step: int, *, where: str, spare: Collection[str] = ()) -> str | None:
+    """Before a new save of `step` in `storage`: what stands there gives way, or the save
+    is refused. Every place a save begins asks here (the coordinator, the plug-ins that
+    write alone, a mirror's upload).
+
+    - No checkpoint there (no manifest): None; nothing is done.
+    - A committed checkpoint: CheckpointExists. A committed step is never replaced.
+    - A quarantined one gives way. It failed verification, so resume fell back past it, and
+      training that goes on reaches the same step again: refusing that save would stop
+      the job at every restart. Its manifest goes first (a crash leaves debris, never a
+      half checkpoint), then the files it names (not those in `spare`, which the new save
+      writes under the same names), then its marker, with a warning. Returns why it was
+      quarantined.
+    - A quarantined one that a step that stays borrows bytes from (`keep_borrowed`):
+      CheckpointExists, naming the way out.
+    """
+    sdir = layout.step_dir(step)
+    if not storage.exists(f"{sdir}/{layout.MANIFEST_NAME}"):
+        return None
+    reason = ckfmt.quarantine_reason(storage, step)
+    if reason is None:
+        raise CheckpointExists(
+            f"{where}: {storage.url}/{sdir} is already committed; save under a new step, "
+            "or remove it first (ckptctl gc)"
+        )
+    if keep_borrowed(from_storage(storage), (step,)):
+        raise CheckpointExists(
+            f"{where}: {storage.url}/{sdir} is quarantined ({reason[:200]}), but a step that "
+            "stays borrows bytes from it (an incremental save), so it cannot give way to a "
+            "new save; save under a new step, or remove the steps that borrow from it first"
+        )
+    try:
+        files = [p for sh in ckfmt.read_manifest(storage, step).shards for p in (sh.path, sh.index)]
+    except CkptError:
+        files = []  # a manifest that does not parse: its files stay, strays for `ckptctl gc`
+    storage.remove_tree(f"{sdir}/{layout.MANIFEST_NAME}")
+    for path in files:
+        if path not in spare:
+            storage.remove_tree(f"{sdir}/{path}")
+    storage.remove_tree(f"{sdir}/{ckfmt.QUARANTINE_NAME}")
+    log.warning(
+        "%s: a new save takes the place of the quarantined checkpoint %s/%s, whose files are "
+        "removed (it was quarantined: %s)",
+        where,
+        storage.url,
+        sdir,
+        reason,
+    )
+    return reason
+
+
 # -- what the callers know ---------------------------------------------------------------
 def from_storage(storage: Storage, in_flight: Collection[int] = ()) -> list[StepState]:
     """The steps of a job directory as storage alone tells them (no catalog)."""
@@ -254,27 +305,34 @@ def remove_debris(storage: Storage, step: int) -> None:
 
 
 async def carry_out(
-    catalog: Catalog, st: Storage, job: str, p: RetentionPlan, began: Callable[[int], bool]
+    catalog: Catalog,
+    st: Storage,
+    job: str,
+    p: RetentionPlan,
+    began: Callable[[int], bool],
+    lock: asyncio.Lock,
 ) -> None:
     """The coordinator's way to carry out a plan: each retired step is listed in the
     catalog's `retiring` table before anything of it is removed, and its rows go after, so
     a restart finishes exactly these steps (recovery). `began(step)`: a save of that step
-    opened since the plan was made (it is skipped)."""
+    opened since the plan was made (it is skipped). `lock`: held while a step is removed,
+    as while a save opens (so none opens on a step half removed)."""
     for step in p.steps:
-        if began(step):
-            continue
-        retiring = step in p.retire
-        if retiring:
-            await catalog.add_retiring(job, step)
-        try:
-            await asyncio.to_thread(retire if retiring else remove_debris, st, step)
-        except (OSError, CkptError) as e:
-            log.warning("retention: could not remove job %s step %d: %s", job, step, e)
-            continue
-        if retiring:
-            # The widest window: the step is gone from storage, still listed in the catalog.
-            crash_point("coordinator.during_retention")
-            await catalog.forget_retired(job, step)
+        async with lock:
+            if began(step):
+                continue
+            retiring = step in p.retire
+            if retiring:
+                await catalog.add_retiring(job, step)
+            try:
+                await asyncio.to_thread(retire if retiring else remove_debris, st, step)
+            except (OSError, CkptError) as e:
+                log.warning("retention: could not remove job %s step %d: %s", job, step, e)
+                continue
+            if retiring:
+                # The widest window: the step is gone from storage, still in the catalog.
+                crash_point("coordinator.during_retention")
+                await catalog.forget_retired(job, step)
 
 
 def apply(storage: Storage, keep_last: int, in_flight: Collection[int] = ()) -> list[int]:

@@ -16,12 +16,14 @@ from typing import Any
 
 from ckpt._protocol import commit_for_ranks
 from ckptd import knobs
+from ckptd.coordinator import retention
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.coordinator.types import SaveRef, ShardReport
+from ckptd.format import checkpoint as ckfmt
 from ckptd.format.manifest import ShardInfo
 from ckptd.format.writer import ShardWriter, WriteItem, plan_offsets
 from ckptd.server.client import CoordinatorClient
-from ckptd.storage import open_storage
+from ckptd.storage import Storage, open_storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,14 @@ class Target:
     world_size: int
     verify: str
     io_threads: int | None
+
+
+def begin_step(storage: Storage, job: str, step: int) -> None:
+    """Before any rank writes a shard of `step`: a quarantined copy of the step gives way
+    (retention.make_way: a committed one refuses the save), an unfinished save's debris
+    goes, and the directories are made."""
+    retention.make_way(storage, step, where=f"job {job} step {step}")
+    ckfmt.begin_step(storage, step)
 
 
 def write_shard(target: Target, items: list[WriteItem]) -> tuple[ShardInfo, list[ChunkPlan]]:

@@ -25,7 +25,6 @@ from ckpt.integrations import _commit
 from ckpt.integrations import _dcp_manifest as dm
 from ckptd.coordinator.planning import ChunkPlan
 from ckptd.coordinator.types import SaveRef, ShardReport
-from ckptd.format import checkpoint as ckfmt
 from ckptd.format.writer import WriteItem, hash_items
 from ckptd.storage import open_storage
 
@@ -71,9 +70,8 @@ class RankPart:
             barrier_timeout_s=w.timeout_s,
         )
         if rank == 0:
-            # Refuses a committed step and clears an uncommitted one's debris: before rank
-            # 0's BeginSave, so before any rank (all wait at the barrier) writes.
-            ckfmt.begin_step(open_storage(w.path, create=True), w.step)
+            # Before rank 0's BeginSave, so before any rank (all wait at the barrier) writes.
+            _commit.begin_step(open_storage(w.path, create=True), w.path, w.step)
         with _held_lock:
             previous = _held.pop(w.path, None)
         if previous is not None:

@@ -205,7 +205,7 @@ class StorageWriter(_DCPWriter):
         conn = self._conn = _coordinator.connect(
             self.path, address=self.coordinator, token=self.token, attempt=self.attempt
         )
-        ckfmt.begin_step(open_storage(self.path, create=True), self.step)
+        _commit.begin_step(open_storage(self.path, create=True), self.path, self.step)
         self._target = _commit.Target(
             self.path, self.step, conn.generation, 0, len(plans), self.verify, self.io_threads
         )

@@ -104,7 +104,7 @@ class CkptdCheckpointIO(CheckpointIO):
             step = newest + 1  # Lightning overwrites this path: a new step, the old retired
         conn = _coordinator.connect(job, address=self.coordinator, token=self.token, attempt=None)
         try:
-            ckfmt.begin_step(storage, step)
+            _commit.begin_step(storage, job, step)
             target = _commit.Target(job, step, conn.generation, 0, 1, self.verify, None)
             items = [leaf.write_item(leaf.host_bytes()) for leaf in leaves]
             info, chunks = _commit.write_shard(target, items)
