@@ -1,4 +1,5 @@
-"""docs/quickstart.md runs as written, in order, as a new user would follow it.
+"""docs/quickstart.md runs as written, in order, as a new user would follow it (and so
+does the README's one-process example, examples/corruption_walkthrough.py).
 
 Its python blocks run one after another in one fresh interpreter (one namespace, like a
 script pasted together), then each `ckptctl` line of its shell blocks runs through the
@@ -91,3 +92,19 @@ def test_quickstart_runs_as_written(tmp_path) -> None:
         )
     # restore wrote the file its line names, where the reader stands
     assert (tmp_path / "model.safetensors").stat().st_size > 0
+
+
+def test_the_corruption_walkthrough_runs_as_the_readme_says(tmp_path) -> None:
+    """examples/corruption_walkthrough.py, which the README lists: every line of its
+    summary says yes (its exit status says so too)."""
+    p = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "corruption_walkthrough.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=child_env(),
+        cwd=tmp_path,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    summary = p.stdout[p.stdout.index("== Summary") :].splitlines()[1:]
+    assert len(summary) == 5 and all(line.endswith(" yes") for line in summary), summary
