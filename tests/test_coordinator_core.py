@@ -1124,3 +1124,47 @@ def test_allow_divergent_writes_the_lowest_rank_copy_even_when_rank0_is_busier(
         pytest.fail(
             f"committed w = {got['w'].tolist()}, not rank 0's copy [1.0, ...]", pytrace=False
         )
+
+
+def test_an_abort_removes_its_ranks_files_with_one_listing(tmp_path: Path) -> None:
+    """What an aborted save leaves is removed by its generation's names, never a file the
+    committed step references, and with one listing of the shards however many ranks the
+    save named (a 100,000-rank abort, most ranks with nothing written, made 200,000
+    removals before)."""
+    from ckpt_testutil import DelegatingStorage
+
+    from ckptd.coordinator.session import remove_ranks_files
+    from ckptd.format import layout
+    from ckptd.format.writer import ahead_name
+    from ckptd.storage import open_storage
+
+    job = str(tmp_path / "job")
+    ckpt.save({"w": torch.ones(4)}, job, step=3)  # generation 0 commits step 3
+    shards = Path(job) / layout.step_dir(3) / layout.SHARDS_DIR
+    committed = sorted(p.name for p in shards.iterdir())
+    mine = [layout.shard_name(0, 2), layout.index_name(0, 2), layout.shard_name(7, 2)]
+    mine.append(ahead_name(layout.shard_name(9, 2)))
+    other = [layout.shard_name(1, 1)]  # another generation's: not this abort's
+    for name in mine + other:
+        (Path(job) / layout.step_dir(3) / name).write_bytes(b"x")
+
+    calls: list[str] = []
+
+    class Counted(DelegatingStorage):
+        def remove_tree(self, path: str) -> None:
+            calls.append(path)
+            self.inner.remove_tree(path)
+
+        def listdir(self, path: str) -> list[str]:
+            calls.append(f"listdir {path}")
+            return self.inner.listdir(path)
+
+    remove_ranks_files(Counted(open_storage(job)), 3, 2, range(100_000))
+    assert sorted(p.name for p in shards.iterdir()) == sorted(
+        committed + [n.split("/", 1)[1] for n in other]
+    )
+    assert len(calls) == 1 + len(mine), calls
+    # An abort of the committed step's own generation leaves the files its manifest names.
+    remove_ranks_files(open_storage(job), 3, 0, range(4))
+    assert set(committed) <= {p.name for p in shards.iterdir()}
+    assert ckpt.load({}, job, step=3).state["w"].sum().item() == 4.0

@@ -43,7 +43,7 @@ from ckptd.coordinator.session import (
     manifest_of,
     one_block_size,
     remove_empty_step,
-    remove_rank_files,
+    remove_ranks_files,
     step_mismatch,
     step_mismatch_reason,
 )
@@ -681,8 +681,7 @@ class Coordinator(Recovery, Queries, Reports, Nodes, MemoryCommits):
         (no rank of it still writing), the step directory too when that left it empty and
         no newer save of the step is live."""
         st = self.storage(job)
-        for r in ranks:
-            remove_rank_files(st, step, generation, r)
+        remove_ranks_files(st, step, generation, ranks)
         if idle and (job, step) not in self.sessions:
             remove_empty_step(st, step)
 

@@ -4,7 +4,7 @@ A `Session` lives from the first BeginSave of (job, step, generation) to its com
 abort; the core keeps recently ended ones to answer retries. The manifest of a step is
 built in one place (`manifest_of`), from a live session or, after a restart, from the
 catalog's record of it; the files an aborted save leaves are removed by its generation's
-names only (`remove_rank_files`), never a manifest, never a file a manifest references.
+names only (`remove_ranks_files`), never a manifest, never a file a manifest references.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ckptd.coordinator import planning
 from ckptd.coordinator.types import ABORTED, OPEN, ShardReport, StatusResult
 from ckptd.errors import CkptError, InvalidRequest, SaveAborted
 from ckptd.format import checkpoint as ckfmt
-from ckptd.format import hashing, layout, values
+from ckptd.format import hashing, layout, values, writer
 from ckptd.format.manifest import Manifest, ShardInfo, load_index_json, parse_index
 from ckptd.storage import Storage
 from ckptd.storage.base import OpenDirs
@@ -341,20 +341,34 @@ def reported_block_size(st: Storage, step: int, reports: Mapping[int, ShardRepor
     return one_block_size(step, sizes)
 
 
-def remove_rank_files(st: Storage, step: int, generation: int, rank: int) -> None:
-    """Remove one rank's files of an aborted save: its own generation's names only, never
-    a manifest, never a file the step's manifest (of another generation) references."""
+def remove_ranks_files(st: Storage, step: int, generation: int, ranks: Iterable[int]) -> None:
+    """Remove these ranks' files of an aborted save: its own generation's names only (and
+    a lone rank's shard written ahead under its private name), never a manifest, never a
+    file the step's manifest (of another generation) references.
+
+    The step's shards are listed once, so the work grows with the files there, not with
+    the ranks named: before, an abort of 16,384 ranks checked the manifest 16,384 times
+    and removed 32,768 names, each a request on an object store, though most ranks had
+    written nothing (and a bogus abort naming 100,000 ranks held a worker thread for
+    seconds)."""
     sdir = layout.step_dir(step)
-    referenced: set[str] = set()
-    if st.exists(f"{sdir}/{layout.MANIFEST_NAME}"):
+    present = set(st.listdir(f"{sdir}/{layout.SHARDS_DIR}"))
+    if not present:
+        return
+    theirs = []
+    for rank in ranks:
+        shard = layout.shard_name(rank, generation)
+        for name in (shard, writer.ahead_name(shard), layout.index_name(rank, generation)):
+            if name.split("/", 1)[1] in present:
+                theirs.append(name)
+    if theirs and st.exists(f"{sdir}/{layout.MANIFEST_NAME}"):
         try:
             m = ckfmt.read_manifest(st, step)
         except CkptError:
             return  # cannot tell what the committed step needs: touch nothing
         referenced = {x for sh in m.shards for x in (sh.path, sh.index)}
-    for name in (layout.shard_name(rank, generation), layout.index_name(rank, generation)):
-        if name in referenced:
-            continue
+        theirs = [name for name in theirs if name not in referenced]
+    for name in theirs:
         try:
             st.remove_tree(f"{sdir}/{name}")
         except (OSError, CkptError) as e:
