@@ -97,24 +97,39 @@ def main() -> int:
         text = json.dumps(dict(doc, **{field: marker}))
         return text.replace(json.dumps(marker), filler).encode()
 
-    bombs: dict[str, tuple[Callable[[bytes], Any], bytes]] = {
+    # Each bomb is built just before it is parsed and dropped after, so the limit's
+    # headroom holds one bomb's bytes, not all seven (about 8 x B MiB) at once.
+    bombs: dict[str, tuple[Callable[[bytes], Any], Callable[[], bytes]]] = {
         # Millions of entries (tiny ones: the most objects per byte).
-        "index-million-entries": (index, with_field(idoc, "entries", "[" + "{}," * n + "{}]")),
-        "index-million-lists": (index, with_field(idoc, "entries", "[" + "[]," * n + "[]]")),
+        "index-million-entries": (
+            index,
+            lambda: with_field(idoc, "entries", "[" + "{}," * n + "{}]"),
+        ),
+        "index-million-lists": (
+            index,
+            lambda: with_field(idoc, "entries", "[" + "[]," * n + "[]]"),
+        ),
         "manifest-million-shards": (
             parse_manifest,
-            with_field(mdoc, "shards", "[" + "{}," * n + "{}]"),
+            lambda: with_field(mdoc, "shards", "[" + "{}," * n + "{}]"),
         ),
-        "manifest-deep-nesting": (parse_manifest, b"[" * (3 * n) + b"]" * (3 * n)),
-        "manifest-huge-int": (parse_manifest, with_field(mdoc, "generation", "9" * (3 * n))),
-        "manifest-huge-key": (parse_manifest, with_field(mdoc, "job", '"' + "a" * (3 * n) + '"')),
+        "manifest-deep-nesting": (parse_manifest, lambda: b"[" * (3 * n) + b"]" * (3 * n)),
+        "manifest-huge-int": (
+            parse_manifest,
+            lambda: with_field(mdoc, "generation", "9" * (3 * n)),
+        ),
+        "manifest-huge-key": (
+            parse_manifest,
+            lambda: with_field(mdoc, "job", '"' + "a" * (3 * n) + '"'),
+        ),
         "state-million-nodes": (
             parse_manifest,
-            with_field(mdoc, "state", '{"list":[' + '{"list":[]},' * (n // 4) + "1]}"),
+            lambda: with_field(mdoc, "state", '{"list":[' + '{"list":[]},' * (n // 4) + "1]}"),
         ),
     }
     sizes = {}
-    for name, (parse, data) in bombs.items():
+    for name, (parse, build) in bombs.items():
+        data = build()
         sizes[name] = len(data)
         # A hash of the bytes first, as the reader does before parsing (index digests).
         hashing.digest(data)
@@ -124,7 +139,6 @@ def main() -> int:
             must_refuse=name != "state-million-nodes",
         )
         del data
-    bombs.clear()
     print(
         json.dumps(
             {
