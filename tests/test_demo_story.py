@@ -8,6 +8,7 @@ so the demo's claims are the ones checked here.
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -52,3 +53,33 @@ def test_kill_a_rank_mid_save_restart_resume_and_match_an_uninterrupted_run(
     catalog = read_catalog(tmp_path / "story" / "gpt" / ".ckptd" / "catalog.sqlite")
     assert catalog[24]["status"] == "COMMITTED" and catalog[24]["generation"] == 1
     assert catalog[16]["generation"] == 1  # saved again by the new attempt, committed
+
+
+def test_a_corrupt_newest_step_is_passed_over_and_training_goes_on_bit_identically(
+    tmp_path: Path,
+) -> None:
+    """The demo's training under torchrun (2 ranks) runs to its end; a copy of its
+    checkpoints is kept, then a bit of rank 1's shard of the newest step flips. A second
+    run's resume quarantines that step, falls back to the one before on both ranks, trains
+    on and saves the same step number again (the quarantined copy gives way), and that
+    step is bit-identical to the first run's."""
+    demo = load_demo()
+    cfg = demo.Config(tmp_path, steps=24, save_every=4, d_model=32, layers=2, lease_s=2)
+    job, reference = tmp_path / "gpt", tmp_path / "reference"
+    assert demo.torchrun(cfg, job, tmp_path / "first.log", crash=False, show=False)[0] == 0
+    shutil.copytree(job, reference)
+    shard = sorted((job / "step-000000000024" / "shards").glob("rank-00001*.bin"))[-1]
+    with open(shard, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    rc, _ = demo.torchrun(cfg, job, tmp_path / "second.log", crash=False, show=False)
+    log = (tmp_path / "second.log").read_text()
+    assert rc == 0, log[-4000:]
+    assert "FAILED VERIFICATION AND IS QUARANTINED" in log and "falling back to step 20" in log
+    assert "takes the place of the quarantined checkpoint" in log, log[-4000:]
+    last = demo.attempts(job)[-1]
+    assert last["resumed_from"] == 20 and last["saves"] == [24], last
+    assert demo.compare(job, reference, 24)["differ"] == []
+    assert demo.ckptctl("verify", str(job), "--all")[0] == 0
