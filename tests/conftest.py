@@ -9,7 +9,8 @@ import io
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,34 @@ def _ckptctl_available() -> bool:
         return importlib.util.find_spec("ckptd.cli.ckptctl") is not None
     except ImportError:
         return False
+
+
+def _memory_url() -> Iterator[str]:
+    import fsspec
+
+    name = f"ckptd-{uuid.uuid4().hex}"
+    yield f"memory://{name}"
+    mem = fsspec.filesystem("memory")
+    if mem.exists(f"/{name}"):
+        mem.rm(f"/{name}", recursive=True)
+
+
+@pytest.fixture
+def mem_url() -> Iterator[str]:
+    """A fresh memory:// URL (fsspec's in-process store), emptied after the test."""
+    yield from _memory_url()
+
+
+@pytest.fixture
+def mem_job() -> Iterator[str]:
+    """A job's directory in fsspec's memory store (a fresh URL, emptied after)."""
+    yield from _memory_url()
+
+
+@pytest.fixture
+def mem_mirror() -> Iterator[str]:
+    """A job's mirror tier in fsspec's memory store (a fresh URL, emptied after)."""
+    yield from _memory_url()
 
 
 @pytest.fixture

@@ -14,8 +14,6 @@ import errno
 import json
 import os
 import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +33,6 @@ from ckptd.storage import open_storage
 pytestmark = pytest.mark.timeout(120)
 
 MEM = fsspec.filesystem("memory")
-
-
-@pytest.fixture
-def mem_mirror() -> Iterator[str]:
-    name = f"ckptd-load-{uuid.uuid4().hex}"
-    yield f"memory://{name}"
-    if MEM.exists(f"/{name}"):
-        MEM.rm(f"/{name}", recursive=True)
 
 
 def state_for(step: int) -> dict[str, Any]:

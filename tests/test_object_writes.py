@@ -13,12 +13,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import time
-import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import fsspec
 import numpy as np
 import pytest
 import s3fs
@@ -256,15 +253,6 @@ def test_s3_small_shard_is_one_put(s3_server, s3_bucket):
 
 
 # ----------------------------------------------------------------------------- memory://
-
-
-@pytest.fixture
-def mem_url() -> Iterator[str]:
-    name = f"ckptd-ow-{uuid.uuid4().hex}"
-    yield f"memory://{name}"
-    mem = fsspec.filesystem("memory")
-    if mem.exists(f"/{name}"):
-        mem.rm(f"/{name}", recursive=True)
 
 
 def test_memory_handle_holds_only_windows_ahead_of_the_frontier(mem_url):

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +32,6 @@ from ckptd.storage import open_storage
 
 pytestmark = pytest.mark.timeout(120)
 MEM = fsspec.filesystem("memory")
-
-
-@pytest.fixture
-def mem_mirror() -> Iterator[str]:
-    name = f"ckptd-resave-{uuid.uuid4().hex}"
-    yield f"memory://{name}"
-    if MEM.exists(f"/{name}"):
-        MEM.rm(f"/{name}", recursive=True)
 
 
 def state_at(step: int) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,14 +25,6 @@ from ckptd.storage import LocalStorage, Storage, open_storage
 from ckptd.storage.fsspec_store import FsspecStorage
 
 MEM = fsspec.filesystem("memory")
-
-
-@pytest.fixture
-def mem_job() -> Iterator[str]:
-    name = f"ckptd-test-{uuid.uuid4().hex}"
-    yield f"memory://{name}"
-    if MEM.exists(f"/{name}"):
-        MEM.rm(f"/{name}", recursive=True)
 
 
 def mem_path(url: str, step: int, rel: str) -> str:

@@ -19,8 +19,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +39,6 @@ from ckptd.storage.fsspec_store import FsspecStorage
 
 MEM = fsspec.filesystem("memory")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def mem_mirror() -> Iterator[str]:
-    name = f"ckptd-mirror-{uuid.uuid4().hex}"
-    yield f"memory://{name}"
-    if MEM.exists(f"/{name}"):
-        MEM.rm(f"/{name}", recursive=True)
 
 
 def state_for(step: int) -> dict[str, Any]:
