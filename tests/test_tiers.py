@@ -411,3 +411,30 @@ def test_two_ranks_agree_on_the_mirror_copy(tmp_path):
     assert [(r["step"], r["exact"]) for r in resumed] == [(2, True), (2, True)]
     assert ckfmt.quarantine_reason(open_storage(job), 2) is not None
     assert ckfmt.quarantine_reason(open_storage(mirror), 2) is None
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_save_a_step_again_over_its_quarantined_copies_in_both_tiers(tmp_path):
+    """Step 2 damaged in both tiers (rank 1's shard): both ranks resume from step 1 and
+    save step 2 again. Each rank uploads its own shard to the mirror while rank 0 removes
+    the quarantined copy there (retention.make_way), then commits the new one."""
+    job, mirror = str(tmp_path / "job"), str(tmp_path / "mirror")
+    _spawn("save", job, mirror, str(tmp_path / "save"))
+    for root in (job, mirror):
+        path = os.path.join(root, layout.step_dir(2), layout.shard_name(1))
+        with open(path, "r+b") as f:
+            f.seek(32)
+            b = f.read(1)
+            f.seek(32)
+            f.write(bytes([b[0] ^ 0x01]))
+    again = _spawn("resave", job, mirror, str(tmp_path / "resave"))
+    assert [(r["step"], r["mirror_failures"]) for r in again] == [(1, {}), (1, {})]
+    for root in (job, mirror):
+        assert ckfmt.quarantine_reason(open_storage(root), 2) is None
+    manifest = os.path.join(layout.step_dir(2), layout.MANIFEST_NAME)
+    with (
+        open(os.path.join(job, manifest), "rb") as a,
+        open(os.path.join(mirror, manifest), "rb") as b,
+    ):
+        assert a.read() == b.read()
+    assert ckpt.load({}, mirror, step=2).state["rep"][1].item() == 2.0

@@ -98,16 +98,19 @@ def copy_shards(
     *,
     job: str = "",
     ranks: Collection[int] | None = None,
+    replacing: bool = False,
 ) -> MirrorResult:
     """Copy the shards (and indexes) of `ranks` (None: every rank) of committed `step` to
     `dst`, read them back and verify them there, and mark each verified. Reads only the
-    manifest and those ranks' files from `src`."""
+    manifest and those ranks' files from `src`. `replacing`: `dst` holds a quarantined copy
+    of the step that is giving way to this one (its manifest may still be there while
+    another rank removes it: ckpt._mirror), so what `dst` holds is not compared."""
     where = f"job {job or src.url} step {step}"
     sdir = layout.step_dir(step)
     mpath = f"{sdir}/{layout.MANIFEST_NAME}"
     k = knobs.get()
     mdata = src.read_bytes(mpath, limit=k.max_manifest_bytes)
-    if dst.exists(mpath):
+    if not replacing and dst.exists(mpath):
         theirs = dst.read_bytes(mpath, limit=k.max_manifest_bytes)
         if hashing.digest(theirs) == hashing.digest(mdata):
             return MirrorResult(step, 0, 0.0, 0.0, already_there=True)

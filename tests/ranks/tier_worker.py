@@ -1,5 +1,6 @@
-"""One rank of a 2-rank gloo job with a mirror tier: save (phase "save") or resume
-(phase "resume") and write what it saw to OUT_DIR/rank<r>.json.
+"""One rank of a 2-rank gloo job with a mirror tier: save (phase "save"), resume (phase
+"resume"), or resume past a damaged step and save it again (phase "resave"), and write
+what it saw to OUT_DIR/rank<r>.json.
 
 Each rank saves its own tensor (ckpt.PerRank: each rank's shard holds different bytes)
 plus a replicated one; resume checks its tensors bit-exactly against the saved values.
@@ -82,6 +83,15 @@ def _run(rank: int, world: int, phase: str, job: str, mirror: str, out_dir: str)
                     if cp._mirror is not None:
                         assert cp._mirror.wait(60)
                         result["mirror_failures"] = dict(cp._mirror.failures)
+            elif phase == "resave":
+                # Step 2 is damaged in both tiers: resume falls back to 1, then step 2 is
+                # saved again, over the quarantined copies in both tiers.
+                assert cp._mirror is not None
+                cp._mirror.source = own_files_only(cp._mirror.source, rank)
+                result["step"] = cp.resume(state(rank, 0, True))
+                cp.save(state(rank, 2, False), 2, blocking=True)
+                assert cp._mirror.wait(60)
+                result["mirror_failures"] = dict(cp._mirror.failures)
             else:
                 st = state(rank, 0, True)
                 result["step"] = cp.resume(st)

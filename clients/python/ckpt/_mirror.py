@@ -185,15 +185,19 @@ class MirrorUploader:
     def _copy(self, step: int) -> MirrorResult:
         """This rank's shard (every shard in a one-rank job), then rank 0 commits."""
         ranks = None if self.world_size == 1 else {self.rank}
-        if ckfmt.quarantine_reason(self.mirror, step) is not None:
+        replacing = ckfmt.quarantine_reason(self.mirror, step) is not None
+        if replacing and self.rank == 0:
             # The mirror's copy of this step failed verification (resume fell back past it):
             # the newer save of the step takes its place there too (retention.make_way).
-            # Every rank may ask; the files of the new copy are never touched.
+            # Rank 0 removes it, before its own commit of the new copy there; the other
+            # ranks upload meanwhile. Files of the new copy are never removed.
             m = ckfmt.read_manifest(self.source, step)
             new = {p for sh in m.shards for p in (sh.path, sh.index)}
             where = f"job {self.job} step {step} in mirror {self.mirror.url}"
             retention.make_way(self.mirror, step, where=where, spare=new)
-        res = copy_shards(self.source, self.mirror, step, job=self.job, ranks=ranks)
+        res = copy_shards(
+            self.source, self.mirror, step, job=self.job, ranks=ranks, replacing=replacing
+        )
         if self.rank == 0 and not res.already_there:
             commit_copy(
                 self.source,
