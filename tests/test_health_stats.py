@@ -25,7 +25,7 @@ from ranks import health_worker
 
 import ckpt
 from ckptd import knobs
-from ckptd.errors import InvalidManifest, NonFiniteCheckpoint
+from ckptd.errors import CheckpointExists, InvalidManifest, NonFiniteCheckpoint
 from ckptd.format import checkpoint as ckfmt
 from ckptd.format import health, tensorstats, writer
 from ckptd.format.writer import WriteItem, write_shard
@@ -263,6 +263,40 @@ def test_resume_require_finite_lands_on_the_newest_healthy_step(
     assert [s.status for s in ckfmt.list_steps(open_storage(job))] == [ckfmt.COMMITTED] * 4
     with ckpt.Checkpointer(job) as cp:
         assert cp.resume({"w": torch.zeros(64), "b": torch.zeros(3)}) == 4
+
+
+def test_a_step_require_finite_passed_over_gives_way_to_the_next_save_of_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Training resumed past a step with NaN values reaches that step again: its save takes
+    the NaN step's place (it was refused, and the job stopped there after every restart).
+    Only the Checkpointer whose load passed the step over does so; a save of a whole step
+    from anywhere else is still refused."""
+    job = str(tmp_path / "job")
+    with ckpt.Checkpointer(job) as cp:
+        for step in (10, 20, 30):
+            w = torch.full((64,), float(step))
+            if step == 30:
+                w[5] = float("nan")
+            cp.save({"w": w}, step, blocking=True)
+    state = {"w": torch.zeros(64)}
+    with caplog.at_level(logging.WARNING), ckpt.Checkpointer(job) as cp:
+        assert cp.resume(state, require_finite=True) == 20
+        for step in range(21, 41):
+            state["w"].fill_(float(step))
+            cp.maybe_save(state, step, every=10)  # 30 again, then 40
+    assert any(
+        "takes the place of the quarantined checkpoint" in r.getMessage()
+        and "NaN or Inf" in r.getMessage()
+        for r in caplog.records
+    )
+    infos = {i.step: i.status for i in ckfmt.list_steps(open_storage(job))}
+    assert infos == {10: "COMMITTED", 20: "COMMITTED", 30: "COMMITTED", 40: "COMMITTED"}
+    assert torch.equal(ckpt.load({}, job, step=30).state["w"], torch.full((64,), 30.0))
+    with ckpt.Checkpointer(job) as cp:
+        assert cp.resume({"w": torch.zeros(64)}, require_finite=True) == 40
+        with pytest.raises(CheckpointExists, match="already committed"):
+            cp.save({"w": torch.zeros(64)}, 30, blocking=True)
 
 
 def test_require_finite_by_explicit_step_keys_and_exhaustion(tmp_path: Path) -> None:

@@ -179,6 +179,9 @@ class Checkpointer:
         )  # fmt: skip
         self._last_step: int | None = None  # the newest step saved or resumed here
         self.last_load: LoadResult | None = None
+        # Steps the last load here passed over for NaN or Inf (require_finite): a save of
+        # one of their numbers takes its place (_give_way) instead of being refused.
+        self._passed_over: set[int] = set()
         # The step the next save descends from (its manifest's parent): the step last saved
         # or loaded here; JOB_HEAD before either (the job's live head, looked up once).
         self._parent: int | None | Unset = JOB_HEAD
@@ -260,6 +263,8 @@ class Checkpointer:
         if prev is not None and prev.failed and self._parent == prev.step:
             self._parent = self._parent_before  # a save that failed is nobody's parent
         self._raise_unseen(prev)
+        if step in self._passed_over:
+            self._give_way(step)
         ref = SaveRef(self.path, step, self.generation, self.rank, self.world_size)
         # The stall: what the training loop waits for (and the collections in it).
         with GcClock() as collector:
@@ -411,7 +416,33 @@ class Checkpointer:
         )
         self._parent = self._parent_before = res.step
         self.last_load = res  # which step and tier (resume returns only the step)
+        self._passed_over = set(res.unhealthy)
         return res
+
+    def _give_way(self, step: int) -> None:
+        """The last load here passed over `step` for NaN or Inf values (require_finite),
+        and training has reached that step again: mark it quarantined, with that reason,
+        in the local tier and the mirror, so that this save takes its place there
+        (retention.make_way) instead of being refused, which would stop the job at that
+        step after every restart. Every rank marks before its own BeginSave, so whichever
+        rank opens the save finds the mark; a marker already there is kept (as a load's
+        quarantine keeps a peer's). Whole steps are marked this way only by the
+        Checkpointer whose load passed them over, and only for its save of that step."""
+        self._passed_over.discard(step)
+        reason = (
+            "its saved stats count NaN or Inf values: a load with require_finite passed over "
+            f"it, and a new save of step {step} takes its place"
+        )
+        for st in (self.storage, self.mirror_storage):
+            if st is None:
+                continue
+            try:
+                if st.exists(
+                    f"{layout.step_dir(step)}/{layout.MANIFEST_NAME}"
+                ) and not ckfmt.quarantine_reason(st, step):
+                    ckfmt.quarantine(st, step, reason)
+            except (CkptError, OSError) as e:
+                log.warning("job %s: could not mark step %d in %s: %s", self.path, step, st.url, e)
 
     def _catalog_blake3(self, step: int) -> str | None:
         """The manifest digest the coordinator committed for `step`; None if it never saw
