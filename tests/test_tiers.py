@@ -25,7 +25,7 @@ from typing import Any
 import fsspec
 import pytest
 import torch
-from ckpt_testutil import assert_same
+from ckpt_testutil import assert_same, flip_bit
 from s3_server import s3_bucket, s3_server  # noqa: F401 - fixtures
 
 import ckpt
@@ -401,12 +401,7 @@ def test_two_ranks_agree_on_the_mirror_copy(tmp_path):
     assert steps_of(mirror) == [1, 2]
     # Only rank 1's shard is damaged: rank 0's reads succeed, rank 1's fail; both must
     # move to the mirror's copy of step 2 together.
-    path = os.path.join(job, layout.step_dir(2), layout.shard_name(1))
-    with open(path, "r+b") as f:
-        f.seek(32)
-        b = f.read(1)
-        f.seek(32)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_bit(os.path.join(job, layout.step_dir(2), layout.shard_name(1)), 32)
     resumed = _spawn("resume", job, mirror, str(tmp_path / "resume"))
     assert [(r["step"], r["exact"]) for r in resumed] == [(2, True), (2, True)]
     assert ckfmt.quarantine_reason(open_storage(job), 2) is not None
@@ -421,12 +416,7 @@ def test_two_ranks_save_a_step_again_over_its_quarantined_copies_in_both_tiers(t
     job, mirror = str(tmp_path / "job"), str(tmp_path / "mirror")
     _spawn("save", job, mirror, str(tmp_path / "save"))
     for root in (job, mirror):
-        path = os.path.join(root, layout.step_dir(2), layout.shard_name(1))
-        with open(path, "r+b") as f:
-            f.seek(32)
-            b = f.read(1)
-            f.seek(32)
-            f.write(bytes([b[0] ^ 0x01]))
+        flip_bit(os.path.join(root, layout.step_dir(2), layout.shard_name(1)), 32)
     again = _spawn("resave", job, mirror, str(tmp_path / "resave"))
     assert [(r["step"], r["mirror_failures"]) for r in again] == [(1, {}), (1, {})]
     for root in (job, mirror):
