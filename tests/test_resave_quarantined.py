@@ -206,3 +206,23 @@ def test_a_step_removed_outside_the_coordinator_can_be_saved_again(
         cp.save(state_at(22), 2).wait()
     assert any("the catalog says committed" in r.getMessage() for r in caplog.records)
     assert ckpt.load(state_at(0), job, step=2).state["w"][0].item() == 22.0
+
+
+def test_a_give_way_cut_short_leaves_no_mark_on_the_next_save(tmp_path: Path) -> None:
+    """A crash inside make_way after the quarantined manifest went (its marker still
+    there): the next save of the step commits unmarked, in the job and in its mirror."""
+    job = str(tmp_path / "job")
+    mirror = str(tmp_path / "mirror")
+    with ckpt.Checkpointer(job, mirror=mirror) as cp:
+        for step in (1, 2):
+            cp.save(state_at(step), step).wait()
+        assert cp._mirror is not None and cp._mirror.wait(60)
+    for root in (job, mirror):
+        ckfmt.quarantine(open_storage(root), 2, "found corrupt by hand")
+        (Path(root) / layout.step_dir(2) / layout.MANIFEST_NAME).unlink()  # the cut
+    with ckpt.Checkpointer(job, mirror=mirror) as cp:
+        cp.save(state_at(22), 2).wait()
+        assert cp._mirror is not None and cp._mirror.wait(60)
+    for root in (job, mirror):
+        assert ckfmt.quarantine_reason(open_storage(root), 2) is None
+        assert ckpt.load(state_at(0), root).state["w"][0].item() == 22.0

@@ -257,6 +257,18 @@ def quarantine(storage: Storage, step: int, reason: str) -> None:
     )
 
 
+def clear_stale_marker(storage: Storage, step: int) -> None:
+    """Before a manifest of `step` is published: a quarantine marker in a step directory
+    without a manifest belongs to a checkpoint that is gone (a give-way that a crash cut
+    short after removing the manifest: retention.make_way), never to the one about to be
+    committed, which it would mark bad."""
+    path = f"{layout.step_dir(step)}/{QUARANTINE_NAME}"
+    if storage.exists(path) and not storage.exists(
+        f"{layout.step_dir(step)}/{layout.MANIFEST_NAME}"
+    ):
+        storage.remove_tree(path)
+
+
 def unquarantine(storage: Storage, step: int) -> bool:
     """Remove a step's quarantine marker; True when there was one."""
     path = f"{layout.step_dir(step)}/{QUARANTINE_NAME}"
@@ -606,6 +618,7 @@ def commit(storage: Storage, m: Manifest) -> bytes:
         default=0,
     )
     data = m.to_bytes()
+    clear_stale_marker(storage, m.step)
     # Create-only: a manifest is never replaced (atomically so where the store offers it).
     # The crash point fires with the manifest's bytes durable but not yet visible.
     storage.create_only(

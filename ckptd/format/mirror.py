@@ -221,6 +221,7 @@ def commit_copy(
                 "longer holds; not committed there"
             )
     mdata = src.read_bytes(mpath, limit=knobs.get().max_manifest_bytes)
+    ckfmt.clear_stale_marker(dst, step)
     dst.create_only(mpath, mdata)
     for sh in m.shards:
         try:
