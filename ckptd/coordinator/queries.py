@@ -65,8 +65,7 @@ class Queries:
             raise CheckpointNotFound(f"job {name!r} has no committed step {step} to quarantine")
         st = self.storage(name)
         reason = reason[:4000] or "quarantined"
-        if await asyncio.to_thread(ckfmt.quarantine_reason, st, step) is None:
-            await asyncio.to_thread(ckfmt.quarantine, st, step, reason)
+        await asyncio.to_thread(ckfmt.quarantine, st, step, reason)
         if rec.status != QUARANTINED:
             log.warning("job %s step %d quarantined: %s", name, step, reason)
             self.observer.verification_failed(name, step, "load", reason)

@@ -238,12 +238,17 @@ def quarantine_reason(storage: Storage, step: int) -> str | None:
         return "quarantined (the marker is unreadable)"
 
 
-def quarantine(storage: Storage, step: int, reason: str) -> None:
-    """Mark a committed step as bad so that newest-step resolution skips it.
+def quarantine(storage: Storage, step: int, reason: str) -> str:
+    """Mark a committed step as bad so that newest-step resolution skips it; the reason in
+    force, which is the first one: a marker already there (a peer rank's, the
+    coordinator's) is kept as it is.
 
     The marker is written atomically; the manifest and shards are left as they are (for
     inspection, `ckptctl verify`, or loading by explicit step).
     """
+    first = quarantine_reason(storage, step)
+    if first is not None:
+        return first
     doc = {
         "step": step,
         "reason": reason[:8000],
@@ -255,6 +260,7 @@ def quarantine(storage: Storage, step: int, reason: str) -> None:
     storage.write_atomic(
         f"{layout.step_dir(step)}/{QUARANTINE_NAME}", json.dumps(doc, indent=1).encode()
     )
+    return reason
 
 
 def clear_stale_marker(storage: Storage, step: int) -> None:

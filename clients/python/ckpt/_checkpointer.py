@@ -437,9 +437,7 @@ class Checkpointer:
             if st is None:
                 continue
             try:
-                if st.exists(
-                    f"{layout.step_dir(step)}/{layout.MANIFEST_NAME}"
-                ) and not ckfmt.quarantine_reason(st, step):
+                if st.exists(f"{layout.step_dir(step)}/{layout.MANIFEST_NAME}"):
                     ckfmt.quarantine(st, step, reason)
             except (CkptError, OSError) as e:
                 log.warning("job %s: could not mark step %d in %s: %s", self.path, step, st.url, e)

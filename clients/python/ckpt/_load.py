@@ -568,8 +568,7 @@ def _quarantine(
     """Mark the copy bad in its tier; a marker already there (a peer's, written while this
     rank read) is kept with its first reason. Returns whether the copy is now marked."""
     try:
-        if ckfmt.quarantine_reason(st, step) is None:
-            ckfmt.quarantine(st, step, reason)
+        ckfmt.quarantine(st, step, reason)
         if on_quarantine is not None:
             on_quarantine(name, step, reason)
         return True
