@@ -22,7 +22,7 @@ import fsspec
 import pytest
 import torch
 from ckpt_testutil import flip_bit, shard_path
-from coordinator_fixtures import RankSim, ckptctl, new_core, run, started
+from coordinator_fixtures import RankSim, ckptctl, new_core, run, started, step_files
 
 import ckpt
 from ckptd.errors import CheckpointExists
@@ -44,11 +44,6 @@ def train(cp: ckpt.Checkpointer, state: dict[str, Any], start: int, end: int) ->
         state["w"].fill_(float(step))
         state["step"] = step
         cp.maybe_save(state, step, every=10)
-
-
-def step_files(job: str, step: int) -> set[str]:
-    sdir = Path(job) / layout.step_dir(step)
-    return {str(p.relative_to(sdir)) for p in sdir.rglob("*") if p.is_file()}
 
 
 def manifest_files(job: str, step: int) -> set[str]:
@@ -77,7 +72,7 @@ def test_training_goes_on_through_the_step_resume_fell_back_from(
     assert infos == {10: "COMMITTED", 20: "COMMITTED", 30: "COMMITTED", 40: "COMMITTED"}
     new = manifest_files(job, 30)
     # The quarantined copy's files and marker are gone; only the new save's are there.
-    assert step_files(job, 30) == new and not (old - {layout.MANIFEST_NAME}) & new
+    assert set(step_files(job, 30)) == new and not (old - {layout.MANIFEST_NAME}) & new
     m = ckfmt.read_manifest(open_storage(job), 30)
     assert m.parent == 20
     rc, out, err = ckptctl("verify", job, "--all")
@@ -110,7 +105,7 @@ def test_a_quarantined_step_that_a_kept_step_borrows_from_stays(tmp_path: Path) 
     with pytest.raises(CheckpointExists, match="a step that stays borrows bytes from it"):
         ckpt.save({"base": base, "w": torch.zeros(8)}, job, step=1)
     assert ckfmt.quarantine_reason(open_storage(job), 1) == "found corrupt by hand"
-    assert step_files(job, 1) == manifest_files(job, 1) | {ckfmt.QUARANTINE_NAME}
+    assert set(step_files(job, 1)) == manifest_files(job, 1) | {ckfmt.QUARANTINE_NAME}
 
 
 def test_two_ranks_save_over_a_quarantined_step_of_their_own_generation(
@@ -140,7 +135,7 @@ def test_two_ranks_save_over_a_quarantined_step_of_their_own_generation(
 
     run(main())
     assert ckfmt.quarantine_reason(open_storage(job), 2) is None
-    assert step_files(job, 2) == manifest_files(job, 2)
+    assert set(step_files(job, 2)) == manifest_files(job, 2)
     got = ckpt.load({}, job).state["w"]
     assert got[0].item() == 20.0  # rank 0's value of the new save
 
